@@ -1,0 +1,48 @@
+"""What every backend's executable offers the runtime: the step, and the shape of its KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from kiln.errors import KilnError
+from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, StepInputs
+
+
+class BackendError(KilnError):
+    """A backend cannot compile, load or run what it was given."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element
+
+    def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    @classmethod
+    def of_graph(cls, graph: Graph) -> KVCacheSpec:
+        cache = graph.input(KV_CACHE_INPUT).type
+        layers, _, _, _, kv_heads, head_dim = cache.shape
+        if not all(isinstance(d, int) for d in (layers, kv_heads, head_dim)):
+            raise BackendError(f"kv_cache input {cache.text()} must have fixed layers, kv heads and head dim")
+        return cls(int(layers), int(kv_heads), int(head_dim), DTYPES[cache.dtype])
+
+
+class Executable(Protocol):
+    """A loaded model: `step` runs one ragged batch, writing K/V into `kv_cache` in place."""
+
+    kv_cache_spec: KVCacheSpec
+
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab], float32."""
+        ...

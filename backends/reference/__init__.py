@@ -1,0 +1,5 @@
+"""The reference backend: the oracle that interprets IR with torch ops."""
+
+from kiln.backends.reference.executable import ReferenceExecutable
+
+__all__ = ["ReferenceExecutable"]

@@ -1,0 +1,56 @@
+"""The driver: model source → frontend → IR → backend → something that runs. Only this and cli.py
+import every layer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kiln.backends.base import Executable
+from kiln.backends.reference import ReferenceExecutable
+from kiln.frontend.capture import CapturedModel, capture_weights
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.load import load_model
+from kiln.runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class BuildTimes:
+    load_s: float
+    capture_s: float
+
+
+@dataclass
+class BuiltModel:
+    name: str
+    config: ModelConfig
+    captured: CapturedModel
+    executable: Executable
+    tokenizer: Tokenizer
+    times: BuildTimes
+
+
+def build_reference(model: str) -> BuiltModel:
+    """Load `model` (a known name, a GGUF file or a HF directory), capture it, run it on the reference."""
+    start = time.perf_counter()
+    source = load_model(model)
+    loaded = time.perf_counter()
+    captured = capture_weights(source.config, source.float_weights())
+    captured_at = time.perf_counter()
+    info = source.tokenizer
+    tokenizer = Tokenizer(
+        tokenizer_json=info.tokenizer_json,
+        chat_template=info.chat_template,
+        bos_token=info.bos_token,
+        eos_token=info.eos_token,
+        add_bos_token=info.add_bos_token,
+        eos_token_ids=tuple(dict.fromkeys([*info.eos_token_ids, *source.config.eos_token_ids])),
+    )
+    return BuiltModel(
+        name=source.name,
+        config=source.config,
+        captured=captured,
+        executable=ReferenceExecutable(captured.graph, captured.weights),
+        tokenizer=tokenizer,
+        times=BuildTimes(loaded - start, captured_at - loaded),
+    )

@@ -1,0 +1,21 @@
+"""The one user-facing error type. Every layer raises a subclass; the CLI prints it on one line."""
+
+
+class KilnError(Exception):
+    """An error a user can act on: `str()` says what was wrong, `hint` says what to do."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = str(self).replace("\n", " ")
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+class ModelLoadError(KilnError):
+    """A model source is missing, corrupt, or of an unsupported kind."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model's architecture is not one Kiln defines."""

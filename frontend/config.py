@@ -1,0 +1,141 @@
+"""The model configuration every Llama-family definition is parameterised by."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import ModelLoadError, UnsupportedArchitectureError
+
+# HF `architectures[0]` (and GGUF `general.architecture`) → our family name.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` for the kinds we support ("default" means none)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What a Llama-family model needs to be built; field names follow HF `config.json`."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES' keys
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        return cls(**data)
+
+
+def check_architecture(name: str, where: str) -> str:
+    if name not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise UnsupportedArchitectureError(
+            f"{where}: architecture {name!r} is not supported",
+            hint=f"supported architectures: {supported}",
+        )
+    return name
+
+
+def rope_scaling_from_hf(raw: dict[str, Any] | None, where: str) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    rope_type = raw.get("rope_type", raw.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{where}: rope scaling {rope_type!r} is not supported",
+            hint=f"supported rope scaling types: {', '.join(SUPPORTED_ROPE_TYPES)}",
+        )
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
+    """Build a ModelConfig from a HF `config.json` dict (`where` names the file for errors)."""
+    architectures = raw.get("architectures") or [raw.get("model_type", "<none>")]
+    architecture = check_architecture(architectures[0], where)
+    try:
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        sliding_window = raw.get("sliding_window")
+        if family == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding_window = None
+        rope_params = raw.get("rope_parameters") or {}
+        rope_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        attention_bias = bool(raw.get("attention_bias", False))
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling_from_hf(rope_raw, where),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as missing:
+        raise ModelLoadError(
+            f"{where}: config has no {missing.args[0]!r}", hint="is this a Llama-family config.json?"
+        ) from None

@@ -1,0 +1,165 @@
+"""The Llama family in plain torch.nn: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (QKV bias).
+
+Parameter names follow Hugging Face's, so HF state dicts load as they are. `forward` is the DESIGN.md
+step: a ragged batch of sequences over the paged KV cache, returning logits for `logits_indices`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.ops import paged_attention, rms_norm, rope
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, eps=self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        scaling = config.rope_scaling
+        self.rope_attrs = {"theta": config.rope_theta}
+        if scaling.rope_type != "default":
+            self.rope_attrs |= {"rope_type": scaling.rope_type, "factor": scaling.factor}
+        if scaling.rope_type == "llama3":
+            self.rope_attrs |= {
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            }
+        hidden, q_size, kv_size = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(-1, self.num_heads, self.head_dim)
+        k = F.linear(x, self.k_proj.weight, self.k_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, self.v_proj.weight, self.v_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
+        q = rope(q, positions, **self.rope_attrs)
+        k = rope(k, positions, **self.rope_attrs)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            layer=self.layer,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        out = out.view(-1, self.num_heads * self.head_dim)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(F.linear(x, self.gate_proj.weight, self.gate_proj.bias))
+        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)
+        return F.linear(gate * up, self.down_proj.weight, self.down_proj.bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        attn = self.self_attn(
+            self.input_layernorm(h),
+            positions,
+            kv_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+        )
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = F.embedding(token_ids, self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            h = layer(h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
+        h = self.model.norm(h)
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(h, head)
+        return torch.index_select(logits, 0, logits_indices)

@@ -1,0 +1,51 @@
+"""Functions the model definitions call for ops that torch has no single function for.
+
+Each runs eagerly with the IR op's own reference semantics, and capture keeps it as one fx node
+(they are the tracer's `autowrap_functions`), which maps to the IR op of the same name. Tensors are
+positional; attributes are keyword-only and become the IR node's attributes.
+"""
+
+from __future__ import annotations
+
+import torch
+from kiln.ir.ops import get_op
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    return get_op("rms_norm").reference(x, weight, eps=eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, **attrs: float | int | str) -> torch.Tensor:
+    return get_op("rope").reference(x, positions, **attrs)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    layer: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    return get_op("paged_attention").reference(
+        q,
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        layer=layer,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+
+
+WRAPPED_OPS = {rms_norm: "rms_norm", rope: "rope", paged_attention: "paged_attention"}

@@ -1,0 +1,209 @@
+"""Rotary position embedding and attention over the paged KV cache (the step contract's one stateful op)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from kiln.ir.ops.registry import OpDef, register, require, required
+from kiln.ir.types import FLOAT_DTYPES, TensorType
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(
+    head_dim: int,
+    *,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Per-pair rotation frequencies, float32, as HF computes them for each rope type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+        high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Rotate x[T, heads, head_dim] by position, in the "rotate half" (non-interleaved) layout."""
+    head_dim = x.shape[-1]
+    inv_freq = rope_inv_freq(
+        head_dim,
+        theta=theta,
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor,
+        original_max_position_embeddings=original_max_position_embeddings,
+    )
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _infer_rope(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    x, positions = required(inputs[0], "x"), required(inputs[1], "positions")
+    require(
+        x.rank == 3 and x.dtype in FLOAT_DTYPES, f"rope expects float x[T, heads, head_dim], got {x.text()}"
+    )
+    require(positions.rank == 1 and positions.shape[0] == x.shape[0], "positions must be [T] matching x")
+    require(attrs.get("rope_type", "default") in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}")
+    head_dim = x.shape[2]
+    require(isinstance(head_dim, int) and head_dim % 2 == 0, "head_dim must be a known even number")
+    return [TensorType(x.dtype, x.shape)]
+
+
+register(
+    OpDef(
+        "rope",
+        (2, 2),
+        {
+            "theta": "rope base",
+            "rope_type": "default | linear | llama3",
+            "factor": "scaling factor (linear, llama3)",
+            "low_freq_factor": "llama3",
+            "high_freq_factor": "llama3",
+            "original_max_position_embeddings": "llama3",
+        },
+        _infer_rope,
+        rope,
+        doc="rotary position embedding of x[T, heads, head_dim] at positions[T]",
+    )
+)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    layer: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache at `slot_mapping`, then attend over each sequence's blocks.
+
+    kv_cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim]. Sequence b owns query rows
+    query_start_loc[b]:query_start_loc[b+1], which are the last tokens of its seq_lens[b] context;
+    a query at position p sees keys at positions <= p (and > p - sliding_window when one is set).
+    Slots < 0 are padding and are not written.
+    """
+    num_blocks, block_size, kv_heads, head_dim = kv_cache.shape[2:]
+    key_cache = kv_cache[layer, 0].view(num_blocks * block_size, kv_heads, head_dim)
+    value_cache = kv_cache[layer, 1].view(num_blocks * block_size, kv_heads, head_dim)
+    written = slot_mapping >= 0
+    key_cache[slot_mapping[written]] = k[written].to(kv_cache.dtype)
+    value_cache[slot_mapping[written]] = v[written].to(kv_cache.dtype)
+
+    group = q.shape[1] // kv_heads
+    out = torch.zeros_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        context = int(seq_lens[b])
+        if end == start:
+            continue
+        blocks = block_tables[b, : (context + block_size - 1) // block_size].to(torch.int64)
+        keys = kv_cache[layer, 0][blocks].reshape(-1, kv_heads, head_dim)[:context].to(q.dtype)
+        values = kv_cache[layer, 1][blocks].reshape(-1, kv_heads, head_dim)[:context].to(q.dtype)
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        query_pos = torch.arange(context - (end - start), context)[:, None]
+        key_pos = torch.arange(context)[None, :]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].to(torch.float32), keys.to(torch.float32))
+        scores = (scores * scale).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.to(torch.float32)).to(q.dtype)
+    return out
+
+
+def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    q, k, v = (required(inputs[i], name) for i, name in enumerate(("q", "k", "v")))
+    cache = required(inputs[3], "kv_cache")
+    slot_mapping, block_tables = required(inputs[4], "slot_mapping"), required(inputs[5], "block_tables")
+    seq_lens, query_start_loc = required(inputs[6], "seq_lens"), required(inputs[7], "query_start_loc")
+    require(q.rank == 3 and k.rank == 3 and v.rank == 3, "q, k, v must be [T, heads, head_dim]")
+    require(k.shape == v.shape, f"k {list(k.shape)} and v {list(v.shape)} differ")
+    require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], f"q {list(q.shape)} does not fit k")
+    require(
+        cache.rank == 6 and cache.shape[1] == 2,
+        f"kv_cache must be [L, 2, NB, BS, KVH, D], got {cache.text()}",
+    )
+    require(
+        cache.shape[4] == k.shape[1] and cache.shape[5] == k.shape[2],
+        f"kv_cache {list(cache.shape)} does not fit k {list(k.shape)}",
+    )
+    layer = attrs.get("layer")
+    num_layers = cache.shape[0]
+    require(
+        isinstance(layer, int) and 0 <= layer and (not isinstance(num_layers, int) or layer < num_layers),
+        f"layer {layer} is outside the cache's {num_layers} layers",
+    )
+    heads, kv_heads = q.shape[1], k.shape[1]
+    require(
+        isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads == 0,
+        f"query heads {heads} must be a multiple of kv heads {kv_heads}",
+    )
+    require(slot_mapping.shape == (q.shape[0],), "slot_mapping must be [T]")
+    require(
+        block_tables.rank == 2 and seq_lens.rank == 1, "block_tables must be [B, max_blocks], seq_lens [B]"
+    )
+    require(query_start_loc.rank == 1, "query_start_loc must be [B+1]")
+    window = attrs.get("sliding_window")
+    require(window is None or (isinstance(window, int) and window > 0), "sliding_window must be None or > 0")
+    return [TensorType(q.dtype, q.shape)]
+
+
+register(
+    OpDef(
+        "paged_attention",
+        (8, 8),
+        {
+            "layer": "which layer of kv_cache this op reads and writes",
+            "scale": "softmax scale, usually head_dim ** -0.5",
+            "sliding_window": "None, or how many most recent positions a query sees (itself included)",
+        },
+        _infer_paged_attention,
+        paged_attention,
+        pure=False,
+        doc="(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc) -> out[T, heads, D]",
+    )
+)

@@ -1,0 +1,107 @@
+"""Value types: a dtype, a shape whose dims are ints or named symbols, and an optional weight layout."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "i64": torch.int64,
+    "i32": torch.int32,
+    "u8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_OF_TORCH: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"f32", "f16", "bf16"})
+
+Dim = int | str  # an int, or a symbol such as "T" (tokens in the step) bound when the graph runs
+Shape = tuple[Dim, ...]
+
+QUANT_SCHEMES = ("symmetric", "zero_point", "min")
+_SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How a quantized weight is stored: `bits` per value, one scale (and zero point or min) per group.
+
+    `packing` names the byte layout, e.g. "gguf_q4_1" (GGUF blocks as stored) or "kiln_int4".
+    """
+
+    bits: int
+    group_size: int
+    scheme: str
+    packing: str
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANT_SCHEMES:
+            raise ValueError(f"quant scheme {self.scheme!r} is not one of {QUANT_SCHEMES}")
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"quant bits {self.bits} is not supported")
+
+    def text(self) -> str:
+        return f"q{self.bits}/g{self.group_size}/{self.scheme}/{self.packing}"
+
+    @classmethod
+    def parse(cls, text: str) -> QuantLayout:
+        bits, group, scheme, packing = text.split("/")
+        return cls(int(bits.removeprefix("q")), int(group.removeprefix("g")), scheme, packing)
+
+
+@dataclass(frozen=True)
+class TensorType:
+    dtype: str
+    shape: Shape
+    quant: QuantLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        for dim in self.shape:
+            if isinstance(dim, str) and not _SYMBOL.match(dim):
+                raise ValueError(f"bad symbolic dim {dim!r}")
+            if isinstance(dim, int) and dim < 0:
+                raise ValueError(f"negative dim {dim} in shape {self.shape}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def text(self) -> str:
+        dims = ",".join(str(d) for d in self.shape)
+        layout = f"{{{self.quant.text()}}}" if self.quant else ""
+        return f"{self.dtype}[{dims}]{layout}"
+
+    @classmethod
+    def parse(cls, text: str) -> TensorType:
+        match = re.fullmatch(r"(\w+)\[([^\]]*)\](?:\{([^}]*)\})?", text.strip())
+        if not match:
+            raise ValueError(f"cannot parse type {text!r}")
+        dtype, dims, layout = match.groups()
+        shape = tuple(int(d) if d.lstrip("-").isdigit() else d for d in dims.split(",") if d)
+        return cls(dtype, shape, QuantLayout.parse(layout) if layout else None)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorType:
+        return cls(DTYPE_OF_TORCH[tensor.dtype], tuple(tensor.shape))
+
+
+def dims_equal(a: Dim, b: Dim) -> bool:
+    return a == b
+
+
+def numel_factors(shape: Shape) -> tuple[int, tuple[str, ...]]:
+    """A shape's element count as (product of int dims, sorted symbols)."""
+    const = 1
+    symbols: list[str] = []
+    for dim in shape:
+        if isinstance(dim, int):
+            const *= dim
+        else:
+            symbols.append(dim)
+    return const, tuple(sorted(symbols))
