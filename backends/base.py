@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from kiln.errors import KilnError
 from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, StepInputs
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import fx, nn
+
 from kiln.errors import KilnError, ModelLoadError
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
@@ -30,7 +32,6 @@ from kiln.ir import (
     kv_cache_type,
     verify,
 )
-from torch import fx, nn
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)')
@@ -83,9 +84,9 @@ def source_line(node: fx.Node) -> str | None:
 
 
 class _Translator:
-    def __init__(self, model: nn.Module, config: ModelConfig, name: str) -> None:
+    def __init__(self, model: nn.Module, input_types: dict[str, TensorType], name: str) -> None:
         self.model = model
-        self.config = config
+        self.input_types = input_types
         self.builder = GraphBuilder(name)
         self.env: dict[fx.Node, Value] = {}
         self.source: str | None = None
@@ -102,14 +103,12 @@ class _Translator:
 
     def placeholder(self, node: fx.Node) -> Value:
         name = str(node.target)
-        if name == KV_CACHE_INPUT:
-            cfg = self.config
-            type_ = kv_cache_type(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        elif name in STEP_INPUT_TYPES:
-            type_ = STEP_INPUT_TYPES[name]
-        else:
-            raise CaptureError(f"the step has an input {name!r} that is not in the step contract")
-        return self.builder.input(name, type_)
+        if name not in self.input_types:
+            raise CaptureError(
+                f"the module has an input {name!r} that the input spec lacks",
+                hint=f"the spec names {', '.join(self.input_types)}",
+            )
+        return self.builder.input(name, self.input_types[name])
 
     def get_attr(self, node: fx.Node) -> Value:
         tensor = self.model.get_parameter(str(node.target))
@@ -216,11 +215,22 @@ def trace(model: nn.Module) -> fx.Graph:
     return tracer.trace(model)
 
 
-def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:
-    """The IR graph of `model`'s step, verified."""
-    graph = _Translator(model, config, name).translate(trace(model))
+def capture_module(module: nn.Module, input_types: dict[str, TensorType], name: str) -> Graph:
+    """The verified IR graph of `module.forward`, whose arguments are typed by `input_types`."""
+    graph = _Translator(module, input_types, name).translate(trace(module))
     verify(graph)
     return graph
+
+
+def step_input_types(config: ModelConfig) -> dict[str, TensorType]:
+    """The step contract's inputs, with the KV cache shaped for `config`."""
+    cache = kv_cache_type(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache}
+
+
+def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:
+    """The IR graph of `model`'s step, verified."""
+    return capture_module(model, step_input_types(config), name)
 
 
 def capture_weights(

@@ -8,6 +8,7 @@ positional; attributes are keyword-only and become the IR node's attributes.
 from __future__ import annotations
 
 import torch
+
 from kiln.ir.ops import get_op
 
 

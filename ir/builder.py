@@ -43,7 +43,7 @@ class GraphBuilder:
         source: str | None = None,
     ) -> list[Value]:
         op = get_op(op_name)
-        attrs = dict(attrs or {})
+        attrs = {key: value for key, value in (attrs or {}).items() if value is not None}  # None = default
         where = f"{op_name}{' (from ' + source + ')' if source else ''}"
         try:
             out_types = op.infer([v.type if v is not None else None for v in inputs], attrs)

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph, Node, Value, ValueKind
 from kiln.ir.types import TensorType
-from safetensors.torch import load_file, save_file
 
 GRAPH_FORMAT_VERSION = 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
 from kiln.ir.types import TensorType
 
 # T: tokens in the step (all sequences flattened); B: sequences; B1: B + 1; MB: max blocks per sequence.

@@ -73,9 +73,8 @@ class TensorType:
         return len(self.shape)
 
     def text(self) -> str:
-        dims = ",".join(str(d) for d in self.shape)
         layout = f"{{{self.quant.text()}}}" if self.quant else ""
-        return f"{self.dtype}[{dims}]{layout}"
+        return f"{self.dtype}{shape_text(self.shape)}{layout}"
 
     @classmethod
     def parse(cls, text: str) -> TensorType:
@@ -91,8 +90,9 @@ class TensorType:
         return cls(DTYPE_OF_TORCH[tensor.dtype], tuple(tensor.shape))
 
 
-def dims_equal(a: Dim, b: Dim) -> bool:
-    return a == b
+def shape_text(shape: Shape | list[Dim]) -> str:
+    """`[T,576]`: how messages and the text form show a shape."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def numel_factors(shape: Shape) -> tuple[int, tuple[str, ...]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
 from kiln.backends.base import Executable
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 

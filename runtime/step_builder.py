@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from kiln.ir import StepInputs
 
 

@@ -6,6 +6,7 @@ It is the oracle every other backend and pass is checked against, so it favours 
 from __future__ import annotations
 
 import torch
+
 from kiln.backends.base import BackendError, KVCacheSpec
 from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, StepInputs, TensorType, get_op, verify
 from kiln.ir.types import Dim

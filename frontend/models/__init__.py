@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from kiln.frontend.config import ModelConfig, check_architecture
 from kiln.frontend.models.llama import LlamaForCausalLM
-from torch import nn
 
 _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.ops import paged_attention, rms_norm, rope
-from torch import nn
 
 
 class RMSNorm(nn.Module):

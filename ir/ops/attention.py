@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from kiln.ir.ops.registry import OpDef, register, require, required
-from kiln.ir.types import FLOAT_DTYPES, TensorType
+from kiln.ir.types import FLOAT_DTYPES, TensorType, shape_text
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -161,15 +162,15 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
     slot_mapping, block_tables = required(inputs[4], "slot_mapping"), required(inputs[5], "block_tables")
     seq_lens, query_start_loc = required(inputs[6], "seq_lens"), required(inputs[7], "query_start_loc")
     require(q.rank == 3 and k.rank == 3 and v.rank == 3, "q, k, v must be [T, heads, head_dim]")
-    require(k.shape == v.shape, f"k {list(k.shape)} and v {list(v.shape)} differ")
-    require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], f"q {list(q.shape)} does not fit k")
+    require(k.shape == v.shape, f"k {shape_text(k.shape)} and v {shape_text(v.shape)} differ")
+    require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], f"q {shape_text(q.shape)} does not fit k")
     require(
         cache.rank == 6 and cache.shape[1] == 2,
         f"kv_cache must be [L, 2, NB, BS, KVH, D], got {cache.text()}",
     )
     require(
         cache.shape[4] == k.shape[1] and cache.shape[5] == k.shape[2],
-        f"kv_cache {list(cache.shape)} does not fit k {list(k.shape)}",
+        f"kv_cache {shape_text(cache.shape)} does not fit k {shape_text(k.shape)}",
     )
     layer = attrs.get("layer")
     num_layers = cache.shape[0]

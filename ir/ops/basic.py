@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from kiln.ir.ops.registry import OpDef, register, require, required
-from kiln.ir.types import FLOAT_DTYPES, Dim, Shape, TensorType, numel_factors
+from kiln.ir.types import FLOAT_DTYPES, Dim, Shape, TensorType, numel_factors, shape_text
 
 
 def _broadcast(a: Shape, b: Shape) -> Shape:
@@ -16,7 +17,9 @@ def _broadcast(a: Shape, b: Shape) -> Shape:
     for i in range(max(len(a), len(b))):
         da = a[len(a) - 1 - i] if i < len(a) else 1
         db = b[len(b) - 1 - i] if i < len(b) else 1
-        require(da == db or da == 1 or db == 1, f"shapes {list(a)} and {list(b)} do not broadcast")
+        require(
+            da == db or da == 1 or db == 1, f"shapes {shape_text(a)} and {shape_text(b)} do not broadcast"
+        )
         out.append(db if da == 1 else da)
     return tuple(reversed(out))
 
@@ -40,21 +43,25 @@ register(OpDef("silu", (1, 1), {}, _infer_same, lambda x: F.silu(x), doc="x * si
 
 def resolve_reshape(src: Shape, target: Sequence[Dim]) -> Shape:
     """The reshape of `src` to `target` where one target dim may be -1 (inferred, possibly symbolic)."""
-    require(sum(1 for d in target if d == -1) <= 1, f"reshape target {list(target)} has more than one -1")
+    require(
+        sum(1 for d in target if d == -1) <= 1, f"reshape target {shape_text(target)} has more than one -1"
+    )
     known = [d for d in target if d != -1]
     if len(known) == len(target):
         src_n, tgt_n = numel_factors(src), numel_factors(tuple(target))
-        require(src_n == tgt_n, f"cannot reshape {list(src)} to {list(target)}")
+        require(src_n == tgt_n, f"cannot reshape {shape_text(src)} to {shape_text(target)}")
         return tuple(target)
     src_const, src_syms = numel_factors(src)
     tgt_const, tgt_syms = numel_factors(tuple(known))
     rest = list(src_syms)
     for sym in tgt_syms:
-        require(sym in rest, f"cannot reshape {list(src)} to {list(target)}: {sym} not in the source")
+        require(
+            sym in rest, f"cannot reshape {shape_text(src)} to {shape_text(target)}: {sym} not in the source"
+        )
         rest.remove(sym)
     require(
         tgt_const > 0 and src_const % tgt_const == 0,
-        f"cannot reshape {list(src)} to {list(target)}: sizes do not divide",
+        f"cannot reshape {shape_text(src)} to {shape_text(target)}: sizes do not divide",
     )
     const = src_const // tgt_const
     if not rest:
@@ -62,7 +69,7 @@ def resolve_reshape(src: Shape, target: Sequence[Dim]) -> Shape:
     else:
         require(
             len(rest) == 1 and const == 1,
-            f"cannot infer -1 in {list(target)} from {list(src)} (would be {const}*{'*'.join(rest)})",
+            f"cannot infer -1 in {shape_text(target)} from {shape_text(src)} ({const}*{'*'.join(rest)})",
         )
         inferred = rest[0]
     return tuple(inferred if d == -1 else d for d in target)
@@ -92,7 +99,7 @@ register(
 
 def _infer_embedding(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     weight, ids = required(inputs[0], "weight"), required(inputs[1], "ids")
-    require(weight.rank == 2, f"embedding weight must be 2-D, got {list(weight.shape)}")
+    require(weight.rank == 2, f"embedding weight must be 2-D, got {shape_text(weight.shape)}")
     require(ids.dtype in ("i32", "i64"), f"ids must be integers, got {ids.dtype}")
     return [TensorType(weight.dtype, (*ids.shape, weight.shape[1]))]
 
@@ -130,14 +137,18 @@ register(
 
 def _infer_linear(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     x, w = required(inputs[0], "x"), required(inputs[1], "weight")
-    require(w.rank == 2, f"linear weight must be 2-D, got {list(w.shape)}")
+    require(w.rank == 2, f"linear weight must be 2-D, got {shape_text(w.shape)}")
     require(
-        x.rank >= 1 and x.shape[-1] == w.shape[1], f"x {list(x.shape)} does not fit weight {list(w.shape)}"
+        x.rank >= 1 and x.shape[-1] == w.shape[1],
+        f"x {shape_text(x.shape)} does not fit weight {shape_text(w.shape)}",
     )
     require(x.dtype == w.dtype, f"x is {x.dtype} but weight is {w.dtype}")
     bias = inputs[2] if len(inputs) > 2 else None
     if bias is not None:
-        require(bias.shape == (w.shape[0],), f"bias {list(bias.shape)} does not fit weight {list(w.shape)}")
+        require(
+            bias.shape == (w.shape[0],),
+            f"bias {shape_text(bias.shape)} does not fit weight {shape_text(w.shape)}",
+        )
     return [TensorType(x.dtype, (*x.shape[:-1], w.shape[0]))]
 
 
@@ -150,7 +161,9 @@ register(OpDef("linear", (2, 3), {}, _infer_linear, _linear, doc="x @ weight.T +
 
 def _infer_rms_norm(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     x, w = required(inputs[0], "x"), required(inputs[1], "weight")
-    require(w.shape == (x.shape[-1],), f"norm weight {list(w.shape)} does not fit x {list(x.shape)}")
+    require(
+        w.shape == (x.shape[-1],), f"norm weight {shape_text(w.shape)} does not fit x {shape_text(x.shape)}"
+    )
     return [TensorType(x.dtype, x.shape)]
 
 

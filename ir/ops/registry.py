@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kiln.ir.types import TensorType
 
 InferFn = Callable[[Sequence[TensorType | None], dict[str, Any]], list[TensorType]]

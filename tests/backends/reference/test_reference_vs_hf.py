@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, models
+
 from kiln.backends.reference import ReferenceExecutable
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
-from tokenizers import Tokenizer, models
 
 BLOCK_SIZE = 16
 TOLERANCE = 1e-4  # max |ours - HF| / max |HF|

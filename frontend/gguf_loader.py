@@ -1,0 +1,376 @@
+"""Load a llama.cpp GGUF file into a ModelSource: HF config, HF-named weights, tokenizer data.
+
+Float tensors become torch tensors in their stored dtype; Q4_0, Q4_1 and Q8_0 tensors stay in their
+block layout (`QuantizedTensor`) so that quantization passes can import them without re-quantizing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kiln.errors import ModelLoadError, UnsupportedArchitectureError
+from kiln.frontend.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
+
+# GGUF `general.architecture` → HF architecture.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors llama.cpp may write that carry no model weight: the llama3 rope factors (read into the config)
+# and the rotary inverse frequencies of old conversions.
+_SKIPPED_TENSORS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
+
+
+def load_gguf(path: Path) -> ModelSource:
+    """Read a GGUF file: config from its metadata, weights with HF names in torch order, tokenizer."""
+    from kiln.frontend.gguf_tokenizer import tokenizer_info_from_gguf
+
+    path = Path(path)
+    where = str(path)
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, where)
+    weights = weights_from_gguf(reader, config, where)
+    name = _field(reader, "general.name") or path.stem
+    return ModelSource(
+        name=str(name),
+        path=path,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_info_from_gguf(reader, where),
+    )
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every way it can be missing or broken into one ModelLoadError."""
+    if not path.exists():
+        raise ModelLoadError(
+            f"{path}: no such file", hint="pass the path of a .gguf file, or a model name `kiln pull` knows"
+        )
+    if path.is_dir():
+        raise ModelLoadError(
+            f"{path}: is a directory, not a GGUF file",
+            hint="pass the .gguf file inside it, or load the directory with load_model",
+        )
+    with path.open("rb") as file:
+        magic = file.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')",
+            hint="pass a llama.cpp .gguf model file",
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # the reader raises whatever numpy raises on short or bad bytes
+        raise ModelLoadError(
+            f"{path}: truncated or corrupt GGUF file ({type(error).__name__}: {error})",
+            hint="download the file again",
+        ) from None
+    if reader.byte_order != "I":
+        raise ModelLoadError(
+            f"{path}: big-endian GGUF files are not supported", hint="use a little-endian GGUF file"
+        )
+    return reader
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    """A metadata value as a Python value (a list for arrays), or None when the key is absent."""
+    field = reader.fields.get(key)
+    if field is None or not field.types:
+        return None
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [_scalar(field.parts[index], field.types[-1]) for index in field.data]
+    return _scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _scalar(part: np.ndarray, value_type: gguf.GGUFValueType) -> Any:
+    if value_type == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if value_type == gguf.GGUFValueType.FLOAT32:
+        return float(str(part[0]))  # the shortest decimal that round-trips: 1e-05, not 9.99999974e-06
+    return part[0].item()
+
+
+def _require(reader: gguf.GGUFReader, key: str, where: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(
+            f"{where}: GGUF metadata has no {key!r}", hint="the file is incomplete or not a language model"
+        )
+    return value
+
+
+def hf_architecture(reader: gguf.GGUFReader, where: str) -> str:
+    """The HF architecture for `general.architecture`; llama.cpp stores Mistral as "llama"."""
+    arch = str(_require(reader, "general.architecture", where))
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(f"{gguf_name} ({hf})" for gguf_name, hf in GGUF_ARCHITECTURES.items())
+        raise UnsupportedArchitectureError(
+            f"{where}: GGUF architecture {arch!r} is not supported",
+            hint=f"supported GGUF architectures: {supported}",
+        )
+    name = str(_field(reader, "general.name") or "")
+    if arch == "llama" and "mistral" in name.lower():
+        return "MistralForCausalLM"
+    return GGUF_ARCHITECTURES[arch]
+
+
+def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata (and the tensor list, for ties and biases)."""
+    architecture = hf_architecture(reader, where)
+    arch = str(_field(reader, "general.architecture"))
+
+    def key(name: str) -> Any:
+        return _require(reader, f"{arch}.{name}", where)
+
+    def optional(name: str) -> Any:
+        return _field(reader, f"{arch}.{name}")
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(
+        optional("attention.key_length") or optional("rope.dimension_count") or hidden // num_heads
+    )
+    rope_theta = float(optional("rope.freq_base") or 10000.0)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+
+    def has(suffix: str) -> bool:
+        return any(name.endswith(suffix) for name in tensor_names)
+
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    sliding_window = optional("attention.sliding_window")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=_vocab_size(reader, arch, where),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(optional("attention.head_count_kv") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=_rope_scaling(reader, arch, head_dim, rope_theta, where),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        qkv_bias=family == "qwen2" or has(".attn_q.bias"),
+        o_bias=has(".attn_output.bias"),
+        mlp_bias=has(".ffn_up.bias"),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=_eos_token_ids(reader),
+    )
+
+
+def _vocab_size(reader: gguf.GGUFReader, arch: str, where: str) -> int:
+    size = _field(reader, f"{arch}.vocab_size")
+    if size is not None:
+        return int(size)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    raise ModelLoadError(
+        f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens",
+        hint="the file has no vocabulary; convert the model again with llama.cpp's convert_hf_to_gguf.py",
+    )
+
+
+def _eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return tuple(ids)
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float, where: str) -> RopeScaling:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(reader, f"{arch}.rope.scale_linear")
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length") or 8192)
+        return _llama3_rope_scaling(np.asarray(rope_freqs.data, np.float32), head_dim, theta, original, where)
+    if kind == "none" or (kind is None and factor in (None, 1.0)):
+        return RopeScaling()
+    if kind in (None, "linear"):
+        return RopeScaling(rope_type="linear", factor=float(factor or 1.0))
+    raise ModelLoadError(
+        f"{where}: rope scaling {kind!r} is not supported",
+        hint="supported rope scaling: none, linear, llama3 (rope_freqs tensor)",
+    )
+
+
+def _llama3_rope_scaling(
+    rope_freqs: np.ndarray, head_dim: int, theta: float, original: int, where: str
+) -> RopeScaling:
+    """Recover HF's llama3 rope parameters from llama.cpp's per-frequency `rope_freqs` factors.
+
+    llama.cpp stores only the factors; the factor is their maximum, and the other parameters are the
+    ones every Llama 3.x release uses, accepted only if they reproduce the stored factors.
+    """
+    scaling = RopeScaling(
+        rope_type="llama3",
+        factor=float(rope_freqs.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=original,
+    )
+    expected = _llama3_rope_factors(scaling, head_dim, theta)
+    if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-5, atol=1e-6):
+        raise ModelLoadError(
+            f"{where}: rope_freqs tensor does not match llama3 rope scaling with factor {scaling.factor}, "
+            f"low_freq_factor 1, high_freq_factor 4, original context {original}",
+            hint="this rope scaling is not supported; use the HF checkpoint with its config.json",
+        )
+    return scaling
+
+
+def _llama3_rope_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
+    """The factors llama.cpp's convert_hf_to_gguf.py writes to `rope_freqs` for llama3 rope scaling."""
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling.factor)
+        else:
+            smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def hf_tensor_name(gguf_name: str, where: str) -> str | None:
+    """The HF name of a GGUF tensor, or None for tensors that carry no weight."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if _SKIPPED_TENSORS.fullmatch(gguf_name):
+        return None
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise ModelLoadError(
+            f"{where}: unexpected tensor {gguf_name!r}",
+            hint="this GGUF holds weights the Llama-family definition has no place for",
+        )
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+
+
+def weights_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, where: str) -> dict[str, Weight]:
+    """Every tensor under its HF name, in torch order, with llama.cpp's Q/K row permutation undone."""
+    permuted = str(_field(reader, "general.architecture")) == "llama"
+    weights: dict[str, Weight] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, where)
+        if name is None:
+            continue
+        weight = _tensor(tensor, where)
+        heads = _permuted_heads(name, config) if permuted else None
+        if heads is not None:
+            _check_rows(weight, heads * config.head_dim, name, where)
+            weight = unpermute_rows(weight, heads)
+        weights[name] = weight
+    _check_complete(weights, config, where)
+    return weights
+
+
+def _permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """How many heads llama.cpp permuted the rows of this weight by (None: it left it alone)."""
+    if ".self_attn.q_proj." in name:
+        return config.num_attention_heads
+    if ".self_attn.k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def _check_rows(weight: Weight, rows: int, name: str, where: str) -> None:
+    if weight.shape[0] != rows:
+        raise ModelLoadError(
+            f"{where}: {name} has {weight.shape[0]} rows, but the metadata's heads × head_dim is {rows}",
+            hint="the file's metadata does not match its tensors; convert the model again",
+        )
+
+
+def _tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
+    """Copy one reader tensor out of the mmap; `tensor.data` is already in torch (row-major) order."""
+    kind = tensor.tensor_type.name
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(np.array(tensor.data)).reshape(shape)
+    if kind == "BF16":
+        raw = np.array(tensor.data).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    if kind in QUANTIZED_TYPES:
+        rows = math.prod(shape[:-1])
+        blocks = np.array(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        return QuantizedTensor(ggml_type=kind, shape=shape, blocks=blocks)
+    raise ModelLoadError(
+        f"{where}: tensor {tensor.name!r} has type {kind}, which Kiln cannot load",
+        hint=f"use a GGUF whose tensors are F32, F16, BF16, {', '.join(QUANTIZED_TYPES)}",
+    )
+
+
+def unpermute_rows(weight: Weight, n_head: int) -> Weight:
+    """Undo llama.cpp's interleaved-rope permutation of Q/K rows (as transformers' GGUF loader does).
+
+    Works on whole rows, so a QuantizedTensor's rows of blocks move just like a float tensor's rows.
+    """
+    if isinstance(weight, QuantizedTensor):
+        blocks = _unpermute(weight.blocks, n_head)
+        return QuantizedTensor(ggml_type=weight.ggml_type, shape=weight.shape, blocks=blocks)
+    dim = weight.shape[0] // n_head // 2
+    return (
+        weight.reshape(n_head, dim, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
+    )
+
+
+def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    dim = rows.shape[0] // n_head // 2
+    return np.ascontiguousarray(
+        rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+    )
+
+
+def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:
+    expected = ["model.embed_tokens.weight", "model.norm.weight"]
+    for layer in range(config.num_hidden_layers):
+        expected += [f"model.layers.{layer}.{part}.weight" for part in _LAYER_TENSORS.values()]
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(
+            f"{where}: GGUF lacks weights the config needs: {shown}",
+            hint="the file is incomplete or was converted from a different architecture",
+        )

@@ -1,0 +1,122 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a ModelSource."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kiln.errors import ModelLoadError
+from kiln.frontend.config import ModelConfig, config_from_hf
+from kiln.frontend.source import ModelSource, Weight
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_dir(path: Path) -> ModelSource:
+    """Read `config.json`, the safetensors weights (single, sharded or loose) and the tokenizer."""
+    from kiln.frontend.hf_tokenizer import tokenizer_info_from_hf_dir
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"{path}: not a directory", hint="pass a HF checkpoint directory holding config.json"
+        )
+    config = _with_generation_eos(read_config(path), path)
+    weights = read_weights(path)
+    if config.tie_word_embeddings:
+        # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
+        weights.pop("lm_head.weight", None)
+    return ModelSource(
+        name=path.resolve().name,
+        path=path,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_info_from_hf_dir(path),
+    )
+
+
+def read_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"{path}: no config.json",
+            hint="a HF checkpoint directory needs config.json; download the full model repository",
+        )
+    return config_from_hf(_read_json(config_file), str(config_file))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{file}: cannot read JSON ({error})", hint="the file is corrupt") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object", hint="the file is corrupt")
+    return data
+
+
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Add `generation_config.json`'s eos ids (chat models often stop on more than config.json says)."""
+    generation_file = path / "generation_config.json"
+    if not generation_file.is_file():
+        return config
+    eos = _read_json(generation_file).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = list(config.eos_token_ids)
+    merged += [int(token) for token in extra if int(token) not in merged]
+    return dataclasses.replace(config, eos_token_ids=tuple(merged))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding the weights: the index's shards, the single file, or all of them."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: no weight_map", hint="the index file is corrupt")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{path}: shards named in {INDEX_FILE} are missing: {', '.join(missing)}",
+                hint="download the missing shards",
+            )
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{path}: no safetensors weights ({SINGLE_FILE}, {INDEX_FILE} or *.safetensors)",
+            hint="download the model's .safetensors files; .bin (pickle) checkpoints are not supported",
+        )
+    return files
+
+
+def read_weights(path: Path) -> dict[str, Weight]:
+    weights: dict[str, Weight] = {}
+    for file in weight_files(path):
+        for name, tensor in _load_safetensors(file).items():
+            if name in weights:
+                raise ModelLoadError(
+                    f"{file}: tensor {name!r} is also in another shard", hint="the checkpoint is inconsistent"
+                )
+            weights[name] = tensor
+    return weights
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"{file}: cannot read safetensors ({error})",
+            hint="the file is truncated or corrupt; download it again",
+        ) from None

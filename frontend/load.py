@@ -1,0 +1,49 @@
+"""One entry point for every model source: a known name, a GGUF file, or a HF checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.errors import ModelLoadError
+from kiln.frontend.gguf_loader import load_gguf
+from kiln.frontend.hf_loader import load_hf_dir
+from kiln.frontend.pull import resolve_model
+from kiln.frontend.source import ModelSource
+
+
+def load_model(name_or_path: str) -> ModelSource:
+    """Load a known model name (pulled if needed), a `.gguf` file, or a model directory."""
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        return _load_dir(path)
+    if path.suffix == ".gguf" or _has_gguf_magic(path):
+        return load_gguf(path)
+    raise ModelLoadError(
+        f"{path}: neither a GGUF file nor a model directory",
+        hint="pass a .gguf file, a HF checkpoint directory with config.json, or a known model name",
+    )
+
+
+def _load_dir(path: Path) -> ModelSource:
+    if (path / "config.json").is_file():
+        return load_hf_dir(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(ggufs[0])
+    if ggufs:
+        raise ModelLoadError(
+            f"{path}: holds {len(ggufs)} GGUF files ({', '.join(file.name for file in ggufs)})",
+            hint="pass the path of the one to load",
+        )
+    raise ModelLoadError(
+        f"{path}: no model in this directory (no config.json, no .gguf file)",
+        hint="pass a .gguf file, or a HF checkpoint directory with config.json and safetensors weights",
+    )
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            return file.read(4) == b"GGUF"
+    except OSError:
+        return False

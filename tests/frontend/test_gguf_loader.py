@@ -1,0 +1,473 @@
+"""GGUF loading: the real SmolLM2 file against gguf and transformers, and small files written here."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kiln.errors import ModelLoadError, UnsupportedArchitectureError
+from kiln.frontend.gguf_loader import load_gguf
+from kiln.frontend.source import ModelSource, QuantizedTensor
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path: Path) -> ModelSource:
+    return load_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reader(smollm2_gguf_path: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def transformers_state_dict(smollm2_hf: Any) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF load of the same file (conftest's `smollm2_hf`)."""
+    return smollm2_hf.state_dict()
+
+
+def llama_cpp_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows of the "llama" architecture."""
+    grouped = rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """transformers' `LlamaTensorProcessor._reverse_permute_weights`, written out independently."""
+    grouped = rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, *rows.shape[1:])
+    return grouped.swapaxes(2, 1).reshape(rows.shape)
+
+
+# ---- the real SmolLM2 file ----------------------------------------------------------------------------
+
+
+def test_smollm2_config(smollm2: ModelSource) -> None:
+    config = smollm2.config
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152
+    assert config.tie_word_embeddings
+    assert config.rope_theta == 100000.0
+    assert config.rms_norm_eps == 1e-5
+    assert config.max_position_embeddings == 8192
+    assert config.rope_scaling.rope_type == "default"
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert not (config.qkv_bias or config.o_bias or config.mlp_bias)
+    assert config.sliding_window is None
+    assert smollm2.name == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert smollm2.tokenizer.tokenizer_json
+
+
+def test_smollm2_weight_names(smollm2: ModelSource) -> None:
+    names = set(smollm2.weights)
+    parts = ["input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    parts += [f"self_attn.{p}_proj" for p in "qkvo"]
+    expected = {f"model.layers.{i}.{part}.weight" for i in range(30) for part in parts}
+    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+    assert names == expected  # tied: no lm_head
+
+    embed = smollm2.weights["model.embed_tokens.weight"]
+    assert isinstance(embed, QuantizedTensor)
+    assert (embed.ggml_type, embed.shape) == ("Q8_0", (49152, 576))
+    assert embed.blocks.dtype == np.uint8 and embed.blocks.shape == (49152, 576 // 32 * 34)
+    q_proj = smollm2.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q_proj, QuantizedTensor) and (q_proj.ggml_type, q_proj.shape) == ("Q4_1", (576, 576))
+    k_proj = smollm2.weights["model.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(k_proj, QuantizedTensor) and k_proj.shape == (192, 576)
+    norm = smollm2.weights["model.norm.weight"]
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float32 and norm.shape == (576,)
+
+
+def test_smollm2_quantized_tensors_dequantize_like_gguf(
+    smollm2: ModelSource, smollm2_reader: gguf.GGUFReader
+) -> None:
+    by_gguf_name = {t.name: t for t in smollm2_reader.tensors}
+    checked = 0
+    for name, weight in smollm2.weights.items():
+        if not isinstance(weight, QuantizedTensor):
+            continue
+        tensor = by_gguf_name[_gguf_name(name)]
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj." in name:
+            reference = reverse_permute(reference, 9)
+        elif ".k_proj." in name:
+            reference = reverse_permute(reference, 3)
+        assert torch.equal(weight.dequantize(), torch.from_numpy(reference)), name
+        checked += 1
+    assert checked == 211
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_smollm2_weights_equal_transformers(
+    smollm2: ModelSource, transformers_state_dict: dict[str, torch.Tensor], layer: int
+) -> None:
+    names = [n for n in smollm2.weights if n.startswith(f"model.layers.{layer}.")]
+    if layer == 0:
+        names += ["model.embed_tokens.weight", "model.norm.weight"]
+    assert len(names) >= 9
+    for name in names:
+        weight = smollm2.weights[name]
+        ours = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        assert torch.equal(ours, transformers_state_dict[name]), name
+
+
+def _gguf_name(hf_name: str) -> str:
+    return _HF_TO_GGUF[hf_name] if hf_name in _HF_TO_GGUF else _layer_gguf_name(hf_name)
+
+
+_HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_PARTS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _layer_gguf_name(hf_name: str) -> str:
+    _, _, layer, *part, kind = hf_name.split(".")
+    return f"blk.{layer}.{_LAYER_PARTS['.'.join(part)]}.{kind}"
+
+
+# ---- small files written here -------------------------------------------------------------------------
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 32
+
+
+def add_tiny_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A byte-level BPE vocabulary of VOCAB tokens: three specials, "Ġ" (a space), a-z and two merges."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġ", *"abcdefghijklmnopqrstuvwxyz", "ab", "Ġa"]
+    assert len(tokens) == VOCAB
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
+    writer.add_token_merges(["a b", "Ġ a"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def tiny_weights(bias: bool = False, tied: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random HF-named float32 weights for a tiny Llama-family model, in torch order."""
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        shapes |= {
+            prefix + "input_layernorm.weight": (HIDDEN,),
+            prefix + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            prefix + "post_attention_layernorm.weight": (HIDDEN,),
+            prefix + "mlp.gate_proj.weight": (FFN, HIDDEN),
+            prefix + "mlp.up_proj.weight": (FFN, HIDDEN),
+            prefix + "mlp.down_proj.weight": (HIDDEN, FFN),
+        }
+        if bias:
+            for proj, heads in ("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS):
+                shapes[prefix + f"self_attn.{proj}_proj.bias"] = (heads * HEAD_DIM,)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def write_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    arch: str = "llama",
+    ggml_type: str = "F32",
+    metadata: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    name: str = "tiny test model",
+) -> Path:
+    """Write `weights` as llama.cpp does: GGUF names, "llama" Q/K rows permuted, matrices as `ggml_type`."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(name)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_vocab_size(VOCAB)
+    add_tiny_tokenizer(writer)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, array in weights.items():
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, HEADS)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, KV_HEADS)
+        _add_tensor(writer, _gguf_name(name), array, ggml_type if array.ndim == 2 else "F32")
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, ggml_type: str) -> None:
+    if ggml_type == "F32":
+        writer.add_tensor(name, array)
+    elif ggml_type == "F16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, Q[ggml_type]), raw_dtype=Q[ggml_type])
+
+
+def test_float_types_round_trip(tmp_path: Path) -> None:
+    weights = tiny_weights(tied=False)
+    expected_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    for ggml_type, dtype in expected_dtype.items():
+        path = write_gguf(tmp_path / f"{ggml_type}.gguf", weights, ggml_type=ggml_type)
+        source = load_gguf(path)
+        assert set(source.weights) == set(weights)
+        for name, array in weights.items():
+            loaded = source.weights[name]
+            assert isinstance(loaded, torch.Tensor)
+            want = torch.from_numpy(array).to(dtype if array.ndim == 2 else torch.float32)
+            assert loaded.dtype == want.dtype and torch.equal(loaded, want), (ggml_type, name)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_types_round_trip(tmp_path: Path, ggml_type: str) -> None:
+    weights = tiny_weights()
+    source = load_gguf(write_gguf(tmp_path / "q.gguf", weights, ggml_type=ggml_type))
+    for name, array in weights.items():
+        loaded = source.weights[name]
+        if array.ndim == 1:
+            assert torch.equal(loaded, torch.from_numpy(array))
+            continue
+        assert isinstance(loaded, QuantizedTensor)
+        assert (loaded.ggml_type, loaded.shape) == (ggml_type, array.shape)
+        blocks = gguf.quants.quantize(array, Q[ggml_type])
+        assert np.array_equal(loaded.blocks, blocks), name  # the Q/K rows of blocks are back in HF order
+        reference = torch.from_numpy(gguf.quants.dequantize(blocks, Q[ggml_type]))
+        assert torch.equal(loaded.dequantize(), reference), name
+
+
+def test_tiny_llama_config(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_weights(tied=False))
+    config = load_gguf(path).config
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (VOCAB, HIDDEN, FFN)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (HEADS, KV_HEADS)
+    assert config.head_dim == HEAD_DIM
+    assert (config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == (500000.0, 1e-6, 256)
+    assert not config.tie_word_embeddings
+
+
+def test_qwen2_is_not_permuted_and_has_bias(tmp_path: Path) -> None:
+    weights = tiny_weights(bias=True)
+    source = load_gguf(write_gguf(tmp_path / "qwen2.gguf", weights, arch="qwen2"))
+    assert source.config.architecture == "Qwen2ForCausalLM"
+    assert source.config.qkv_bias and not source.config.o_bias
+    assert set(source.weights) == set(weights)
+    for name, array in weights.items():
+        assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+
+
+def test_llama_bias_is_unpermuted(tmp_path: Path) -> None:
+    weights = tiny_weights(bias=True)
+    source = load_gguf(write_gguf(tmp_path / "bias.gguf", weights))
+    assert source.config.qkv_bias
+    for name in ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias"):
+        assert torch.equal(source.weights[name], torch.from_numpy(weights[name])), name
+
+
+def test_mistral_is_stored_as_llama(tmp_path: Path) -> None:
+    meta = {"llama.attention.sliding_window": 4096}
+    name = "Mistral 7B Instruct v0.3"
+    path = write_gguf(tmp_path / "m.gguf", tiny_weights(), metadata=meta, name=name)
+    source = load_gguf(path)
+    assert source.name == name
+    assert source.config.architecture == "MistralForCausalLM"
+    assert source.config.sliding_window == 4096
+
+
+def test_linear_rope_scaling(tmp_path: Path) -> None:
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    path = write_gguf(tmp_path / "r.gguf", tiny_weights(), metadata=meta)
+    config = load_gguf(path).config
+    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", 4.0)
+
+
+def test_yarn_rope_scaling_is_refused(tmp_path: Path) -> None:
+    meta = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    path = write_gguf(tmp_path / "r.gguf", tiny_weights(), metadata=meta)
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported") as error:
+        load_gguf(path)
+    assert error.value.hint and "linear" in error.value.hint
+
+
+def llama3_rope_factors(factor: float, theta: float = 500000.0) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, with Llama 3's defaults."""
+    low_freq_factor, high_freq_factor, old_context_len = 1.0, 4.0, 8192
+    freqs = 1.0 / (theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high_freq_factor:
+            factors.append(1)
+        elif wavelen > old_context_len / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
+    rope_freqs = llama3_rope_factors(8.0)
+    assert rope_freqs.min() == 1.0 and rope_freqs.max() == 8.0
+    extra = {"rope_freqs.weight": rope_freqs}
+    path = write_gguf(tmp_path / "l3.gguf", tiny_weights(), extra_tensors=extra)
+    source = load_gguf(path)
+    scaling = source.config.rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+    )
+    assert scaling.original_max_position_embeddings == 8192
+    assert "rope_freqs.weight" not in source.weights
+
+
+def test_unrecognised_rope_freqs_are_refused(tmp_path: Path) -> None:
+    extra = {"rope_freqs.weight": np.linspace(1, 3, HEAD_DIM // 2, dtype=np.float32)}
+    path = write_gguf(tmp_path / "l3.gguf", tiny_weights(), extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match="rope_freqs tensor does not match llama3 rope scaling"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_unsupported_architecture(tmp_path: Path, arch: str) -> None:
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_weights(), arch=arch)
+    message = f"architecture '{arch}' is not supported"
+    with pytest.raises(UnsupportedArchitectureError, match=message) as error:
+        load_gguf(path)
+    assert error.value.hint and "llama" in error.value.hint and "qwen2" in error.value.hint
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    weights = tiny_weights()
+    path = tmp_path / "f64.gguf"
+    extra = {"blk.0.ffn_up.weight": weights.pop("model.layers.0.mlp.up_proj.weight").astype(np.float64)}
+    write_gguf(path, weights, extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_up\.weight' has type F64"):
+        load_gguf(path)
+
+
+def test_unexpected_tensor(tmp_path: Path) -> None:
+    extra = {"blk.0.attn_q_norm.weight": np.ones(HEAD_DIM, np.float32)}
+    path = write_gguf(tmp_path / "qk_norm.gguf", tiny_weights(), extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.attn_q_norm\.weight'"):
+        load_gguf(path)
+
+
+def test_missing_layer_weights(tmp_path: Path) -> None:
+    weights = tiny_weights()
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    path = write_gguf(tmp_path / "incomplete.gguf", weights)
+    with pytest.raises(ModelLoadError, match=r"lacks weights .*model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_gguf(path)
+
+
+# ---- broken and missing files -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def truncated(tmp_path: Path, smollm2_gguf_path: Path) -> Iterator[Any]:
+    def cut(size: int) -> Path:
+        path = tmp_path / f"cut-{size}.gguf"
+        with smollm2_gguf_path.open("rb") as source, path.open("wb") as target:
+            target.write(source.read(size))
+        return path
+
+    yield cut
+
+
+@pytest.mark.parametrize("where", ["header", "metadata", "tensor data"])
+def test_truncated(truncated: Any, smollm2_reader: gguf.GGUFReader, where: str) -> None:
+    tensor = smollm2_reader.tensors[100]
+    size = {
+        "header": 10,
+        "metadata": 1 << 20,
+        "tensor data": int(tensor.data_offset) + int(tensor.n_bytes) // 2,
+    }
+    with pytest.raises(ModelLoadError, match="truncated or corrupt GGUF file") as error:
+        load_gguf(truncated(size[where]))
+    assert error.value.hint == "download the file again"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_gguf(tmp_path / "absent.gguf")
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="is a directory"):
+        load_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, this is not a model\n"])
+def test_not_gguf(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "text.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("ggml_type", ["F16", "Q8_0"])
+def test_weights_are_copied_out_of_the_file(tmp_path: Path, ggml_type: str) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_weights(), ggml_type=ggml_type)
+    source = load_gguf(path)
+    before = source.float_weights()
+    data_offset = gguf.GGUFReader(path).data_offset
+    with path.open("r+b") as file:  # a weight still mapped from the file would now read zeros
+        file.seek(data_offset)
+        file.write(bytes(path.stat().st_size - data_offset))
+    after = source.float_weights()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert not torch.equal(load_gguf(path).float_weights()["model.norm.weight"], before["model.norm.weight"])
+
+
+def test_metadata_that_does_not_fit_the_tensors(tmp_path: Path) -> None:
+    meta = {"llama.attention.key_length": HEAD_DIM // 2}
+    path = write_gguf(tmp_path / "bad.gguf", tiny_weights(), metadata=meta)
+    with pytest.raises(
+        ModelLoadError, match=r"q_proj\.weight has 64 rows, but the metadata's heads × head_dim is 32"
+    ):
+        load_gguf(path)

