@@ -8,7 +8,9 @@ import torch
 
 from kiln.ir.types import TensorType
 
-# T: tokens in the step (all sequences flattened); B: sequences; B1: B + 1; MB: max blocks per sequence.
+# T: tokens in the step (all sequences flattened); B: sequences; B1: B + 1; MB: max blocks per sequence;
+# L: logits rows wanted (usually one per sampling sequence; more for prompt logprobs, none for a step
+# that only continues chunked prefills).
 STEP_INPUT_TYPES: dict[str, TensorType] = {
     "token_ids": TensorType("i64", ("T",)),
     "positions": TensorType("i64", ("T",)),
@@ -16,7 +18,7 @@ STEP_INPUT_TYPES: dict[str, TensorType] = {
     "block_tables": TensorType("i64", ("B", "MB")),
     "seq_lens": TensorType("i64", ("B",)),
     "query_start_loc": TensorType("i64", ("B1",)),
-    "logits_indices": TensorType("i64", ("B",)),
+    "logits_indices": TensorType("i64", ("L",)),
 }
 KV_CACHE_INPUT = "kv_cache"
 

@@ -140,20 +140,30 @@ def paged_attention(
         if end == start:
             continue
         blocks = block_tables[b, : (context + block_size - 1) // block_size].to(torch.int64)
-        keys = kv_cache[layer, 0][blocks].reshape(-1, kv_heads, head_dim)[:context].to(q.dtype)
-        values = kv_cache[layer, 1][blocks].reshape(-1, kv_heads, head_dim)[:context].to(q.dtype)
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        query_pos = torch.arange(context - (end - start), context)[:, None]
-        key_pos = torch.arange(context)[None, :]
-        visible = key_pos <= query_pos
-        if sliding_window is not None:
-            visible &= key_pos > query_pos - sliding_window
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].to(torch.float32), keys.to(torch.float32))
-        scores = (scores * scale).masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.to(torch.float32)).to(q.dtype)
+        keys = kv_cache[layer, 0][blocks].reshape(-1, kv_heads, head_dim)[:context]
+        values = kv_cache[layer, 1][blocks].reshape(-1, kv_heads, head_dim)[:context]
+        keys = keys.to(torch.float32).repeat_interleave(group, dim=1)
+        values = values.to(torch.float32).repeat_interleave(group, dim=1)
+        first_position = context - (end - start)
+        for row in range(start, end):
+            out[row] = _attend_one(q[row], keys, values, first_position + row - start, scale, sliding_window)
     return out
+
+
+def _attend_one(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query row over exactly the keys it may see, so its result never depends on the batch."""
+    lowest = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+    visible_keys, visible_values = keys[lowest : position + 1], values[lowest : position + 1]
+    scores = torch.einsum("hd,khd->hk", query.to(torch.float32), visible_keys) * scale
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hk,khd->hd", probs, visible_values).to(query.dtype)
 
 
 def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:

@@ -152,8 +152,22 @@ def _infer_linear(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) ->
     return [TensorType(x.dtype, (*x.shape[:-1], w.shape[0]))]
 
 
+# BLAS picks kernels (and so summation orders) by the number of rows, so a row's result would depend on
+# what else is in the batch. The reference multiplies fixed-size, zero-padded groups of rows instead:
+# each row then always goes through the same kernel, and a request's logits do not depend on its batch.
+LINEAR_ROW_GROUP = 8
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    if num_rows == 0:
+        return x.new_zeros((*x.shape[:-1], weight.shape[0]))
+    padding = (-num_rows) % LINEAR_ROW_GROUP
+    if padding:
+        rows = torch.cat((rows, rows.new_zeros(padding, rows.shape[1])))
+    out = torch.cat([F.linear(group, weight, bias) for group in rows.split(LINEAR_ROW_GROUP)])
+    return out[:num_rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 register(OpDef("linear", (2, 3), {}, _infer_linear, _linear, doc="x @ weight.T + bias; weight[N, K]"))
