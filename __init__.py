@@ -1,3 +1,21 @@
 """Kiln: compile an LLM ahead of time into an artifact per target, serve it from a small runtime."""
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import kiln.ir` does not load the whole stack.
+    if name == "LLM":
+        from kiln.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kiln.runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")

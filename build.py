@@ -3,6 +3,7 @@ import every layer."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from kiln.backends.reference import ReferenceExecutable
 from kiln.frontend.capture import CapturedModel, capture_weights
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.load import load_model
+from kiln.ir import print_graph
 from kiln.runtime.tokenizer import Tokenizer
 
 
@@ -24,6 +26,7 @@ class BuildTimes:
 @dataclass
 class BuiltModel:
     name: str
+    model_id: str  # the model's identity: its name, graph and weight names and shapes, hashed
     config: ModelConfig
     captured: CapturedModel
     executable: Executable
@@ -49,8 +52,11 @@ def build_reference(model: str) -> BuiltModel:
         add_bos_token=info.add_bos_token,
         eos_token_ids=tuple(dict.fromkeys([*info.eos_token_ids, *source.config.eos_token_ids])),
     )
+    identity = hashlib.sha256(f"{source.name}\n{source.path.resolve()}\n".encode())
+    identity.update(print_graph(captured.graph).encode())
     return BuiltModel(
         name=source.name,
+        model_id=identity.hexdigest(),
         config=source.config,
         captured=captured,
         executable=ReferenceExecutable(captured.graph, captured.weights),

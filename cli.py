@@ -18,30 +18,30 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kiln.build import build_reference
-    from kiln.runtime.greedy import greedy_generate
+    from kiln.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
 
-    built = build_reference(args.model)
-    tokenizer = built.tokenizer
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop or [],
+    )
+    llm = LLM(args.model, max_model_len=args.max_model_len)
+    tokenizer = llm.get_tokenizer()
+    prompt: str | list[int] = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
         )
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    generated: list[int] = []
-    shown = ""
-
-    def show(token: int) -> None:
-        nonlocal shown
-        generated.append(token)
-        text = tokenizer.decode(generated)
-        if not text.endswith("\ufffd"):
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-
-    greedy_generate(built.executable, prompt_ids, args.max_tokens, tokenizer.eos_token_ids, on_token=show)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    engine = llm.engine
+    engine.add_request("generate", prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            print(output.outputs[0].delta_text, end="", flush=True)
     print()
     return 0
 
@@ -73,11 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", help="a known model name, e.g. smollm2-135m-instruct")
     pull.set_defaults(run=_pull)
 
-    generate = commands.add_parser("generate", help="greedy-decode one prompt through the reference backend")
+    generate = commands.add_parser(
+        "generate", help="generate from one prompt on the engine (reference backend)"
+    )
     generate.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--max-model-len", type=int, default=None)
     generate.set_defaults(run=_generate)
 
     inspect = commands.add_parser("inspect", help="describe a model; --ir prints its captured IR")

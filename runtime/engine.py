@@ -1,0 +1,311 @@
+"""LLMEngine: add requests, step, abort. One step = schedule → run the executable's step → sample →
+update (stops, detokenization, outputs)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from kiln.backends.base import Executable
+from kiln.runtime.config import EngineConfig, num_kv_blocks
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import ScheduledChunk, Scheduler
+from kiln.runtime.sequence import Request, Sequence, SequenceStatus
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests
+    num_generation_tokens: int = 0  # tokens sampled
+    num_computed_tokens: int = 0  # tokens run through the step (prefix-cache hits are not)
+    num_steps: int = 0
+
+
+@dataclass
+class _SequenceState:
+    sampling: SequenceSampling
+    detokenizer: IncrementalDetokenizer
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        executable: Executable,
+        tokenizer: Tokenizer,
+        model_id: str,
+        max_model_len: int,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.executable = executable
+        self.tokenizer = tokenizer
+        self.max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
+        self.block_size = self.config.block_size
+        self.num_blocks = num_kv_blocks(self.config, executable.kv_cache_spec)
+        self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size)
+        self.kv = KVCacheManager(
+            self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._states: dict[str, _SequenceState] = {}
+        self._held: dict[str, list[Sequence]] = {}  # n > 1: samples that wait for the prompt's blocks
+        self._arrivals = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> tuple[list[int], int]:
+        """The prompt's token ids and its max_tokens, or a ValueError saying what does not fit."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, which leaves no room in the model's context of "
+                f"{self.max_model_len} tokens (max_model_len); shorten the prompt"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len}); lower max_tokens to at most {room}"
+            )
+        capacity = self.kv.pool.num_usable * self.block_size
+        if len(token_ids) + max_tokens > capacity:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache's "
+                f"{capacity} tokens; lower max_tokens or give the cache more memory"
+            )
+        return token_ids, max_tokens
+
+    def add_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids, max_tokens = self.validate(prompt, params)
+        request = Request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            token_ids,
+            params,
+            max_tokens,
+            next(self._arrivals),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        for index in range(params.n):
+            seq = Sequence(f"{request_id}#{index}", index, request, list(token_ids))
+            request.sequences.append(seq)
+            seed = None if params.seed is None else params.seed + index
+            self._states[seq.seq_id] = _SequenceState(
+                SequenceSampling(params, make_generator(seed), token_ids, seq.output_token_ids),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                [],
+                [],
+            )
+        self.requests[request_id] = request
+        self.stats.num_prompt_tokens += len(token_ids)
+        self.scheduler.add(request.sequences[0])
+        self._held[request_id] = request.sequences[1:]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is not (or no longer) here."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+            self._states.pop(seq.seq_id, None)
+        self._held.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(len(held) for held in self._held.values())
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.pool.usage
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        self.stats.num_steps += 1
+        slices = [self._slice(chunk) for chunk in scheduled.chunks]
+        logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
+        touched: dict[str, Request] = {}
+        to_sample: list[tuple[Sequence, int]] = []
+        row = 0
+        for chunk, piece in zip(scheduled.chunks, slices, strict=True):
+            seq = chunk.seq
+            num_prompt_rows = len(piece.logits_at) - (1 if chunk.completes_known_tokens else 0)
+            if num_prompt_rows:
+                self._add_prompt_logprobs(seq.request, chunk, logits[row : row + num_prompt_rows])
+                touched[seq.request.request_id] = seq.request
+            row += num_prompt_rows
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.stats.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if chunk.completes_known_tokens:
+                to_sample.append((seq, row))
+                row += 1
+        if to_sample:
+            self._sample_and_update(logits, to_sample, touched)
+        return [self._output(request) for request in touched.values()]
+
+    def _slice(self, chunk: ScheduledChunk) -> SequenceSlice:
+        seq = chunk.seq
+        end = chunk.start + chunk.num_new_tokens
+        logits_at = [p - chunk.start for p in self._prompt_logprob_positions(seq, chunk.start, end)]
+        if chunk.completes_known_tokens:
+            logits_at.append(chunk.num_new_tokens - 1)
+        return SequenceSlice(
+            seq.all_token_ids[chunk.start : end], chunk.start, self.kv.block_table(seq.seq_id), logits_at
+        )
+
+    @staticmethod
+    def _prompt_logprob_positions(seq: Sequence, start: int, end: int) -> range:
+        """Prompt positions in [start, end) whose next-token logprob this request still lacks."""
+        collected = seq.request.prompt_logprobs
+        if collected is None or seq.index != 0:
+            return range(0)
+        first = max(start, len(collected) - 1)
+        return range(first, min(end, len(seq.prompt_token_ids) - 1))
+
+    def _add_prompt_logprobs(self, request: Request, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
+        assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
+        first = len(request.prompt_logprobs)
+        next_tokens = request.prompt_token_ids[first : first + rows.shape[0]]
+        request.prompt_logprobs.extend(prompt_logprobs(rows, next_tokens, request.params.prompt_logprobs))
+
+    def _sample_and_update(
+        self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]], touched: dict[str, Request]
+    ) -> None:
+        rows = logits[[row for _, row in to_sample]]
+        samplings = [self._states[seq.seq_id].sampling for seq, _ in to_sample]
+        eos = self.tokenizer.eos_token_ids
+        for (seq, _), sampled in zip(to_sample, sample(rows, samplings, eos_token_ids=eos), strict=True):
+            request = seq.request
+            touched[request.request_id] = request
+            self._release_held(request)
+            self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+
+    def _release_held(self, request: Request) -> None:
+        """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""
+        held = self._held.pop(request.request_id, [])
+        for seq in reversed(held):
+            self.scheduler.add(seq, front=True)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: TokenLogprobs | None) -> None:
+        state = self._states[seq.seq_id]
+        seq.output_token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        state.new_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if seq.params.logprobs is not None and top is not None:
+            seq.logprobs.append(top)
+            state.new_logprobs.append(top)
+        stop_string = state.detokenizer.add_token(token)
+        reason = self._finish_reason(seq, token, stop_string)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            seq.status = SequenceStatus.FINISHED
+            state.detokenizer.finish()
+            self.scheduler.remove(seq)
+
+    def _finish_reason(
+        self, seq: Sequence, token: int, stop_string: str | None
+    ) -> tuple[str, int | str | None] | None:
+        params = seq.params
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            if stop_string is not None:
+                return "stop", stop_string
+        if num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.sequences:
+            state = self._states[seq.seq_id]
+            want_logprobs = request.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=state.detokenizer.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=state.detokenizer.take_delta(),
+                    delta_token_ids=state.new_token_ids,
+                    delta_logprobs=state.new_logprobs if want_logprobs else None,
+                )
+            )
+            state.new_token_ids, state.new_logprobs = [], []
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+            for seq in request.sequences:
+                self._states.pop(seq.seq_id, None)
+        first = request.sequences[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until every request is finished; the final output of each, in the order they finished."""
+        finished: list[RequestOutput] = []
+        while self.has_unfinished_requests():
+            finished += [output for output in self.step() if output.finished]
+        return finished

@@ -1,0 +1,142 @@
+"""The scheduler: which sequences compute how many tokens this step.
+
+NOTE: there are no prefill and decode phases. Each step has one token budget
+(`max_num_batched_tokens`). Running sequences are served first, oldest first, each with as many of
+its uncomputed tokens as the budget leaves (1 for a decode, a chunk of the prompt for a prefill);
+then waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free
+blocks allow. When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute its
+tokens (prompt and output) when readmitted. Nothing is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq`, starting at token `start` (= tokens already computed)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def completes_known_tokens(self) -> bool:
+        """True when this chunk computes the sequence's last known token, so a new one is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SequenceStatus.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, output):
+                continue
+            output.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        if not output.preempted:
+            self._admit_waiting(budget, output)
+        return output
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
+        while not self.kv.allocate(seq.seq_id, num_tokens):
+            victim = max(self.running, key=lambda s: (s.request.arrival_index, s.index))
+            self._preempt(victim)
+            output.preempted.append(victim)
+            output.chunks = [chunk for chunk in output.chunks if chunk.seq is not victim]
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq, front=True)
+
+    def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq.all_token_ids)
+            collected = seq.request.prompt_logprobs
+            if collected is not None and seq.index == 0:  # skip no position whose logprob is still missing
+                cached = cached[: (len(collected) - 1) // self.kv.block_size]
+            num_computed = len(cached) * self.kv.block_size
+            remaining = seq.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not self.kv.allocate(seq.seq_id, num_computed + num_new, cached):
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0 and not seq.output_token_ids:
+                seq.num_cached_tokens = num_computed
+            self.num_prefix_cache_hit_tokens += num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.chunks.append(ScheduledChunk(seq, num_computed, num_new))
+            budget -= num_new

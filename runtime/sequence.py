@@ -1,0 +1,67 @@
+"""A request and its sequences (one per sample when n > 1), with what each has computed and produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kiln.runtime.outputs import TokenLogprobs
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request. Its tokens are the prompt then its output; `num_computed_tokens` of
+    them have K/V in the cache. After a preemption it recomputes them all (output included)."""
+
+    seq_id: str
+    index: int
+    request: Request
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, or what the context leaves
+    arrival_index: int
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
