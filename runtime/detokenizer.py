@@ -63,8 +63,7 @@ class IncrementalDetokenizer:
         self._in_byte_run = False  # whether the last token that added text was a byte token
         self._tail = ""  # the last _tail_length characters of the decoded text: where a stop can start
         self._unsent = ""  # decoded text not yet handed out by take_delta
-        self._sent: list[str] = []
-        self._sent_length = 0
+        self._sent = ""  # the text take_delta has handed out
         self._done = False
         self._stop_string: str | None = None
 
@@ -72,7 +71,7 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text safe to show so far (what take_delta has returned plus would return now); after
         finish() or a stop, the final text."""
-        return "".join(self._sent) + self._unsent[: self._releasable()]
+        return self._sent + self._unsent[: self._releasable()]
 
     @property
     def stop_string(self) -> str | None:
@@ -108,8 +107,7 @@ class IncrementalDetokenizer:
         """The text that became safe to show since the last call."""
         count = self._releasable()
         delta, self._unsent = self._unsent[:count], self._unsent[count:]
-        self._sent.append(delta)
-        self._sent_length += len(delta)
+        self._sent += delta
         return delta
 
     def finish(self) -> None:
@@ -139,7 +137,7 @@ class IncrementalDetokenizer:
         """Add newly decoded text, then look for a stop string ending in it or in the whole part of the
         pending text. Any earlier match was seen before (or came before min_tokens)."""
         tail = self._tail
-        searched_from = self._sent_length + len(self._unsent) - len(tail)
+        searched_from = len(self._sent) + len(self._unsent) - len(tail)
         self._unsent += decoded
         if self._tail_length:
             self._tail = (tail + decoded)[-self._tail_length :]
@@ -150,7 +148,7 @@ class IncrementalDetokenizer:
             return None
         start, stop = match
         end = searched_from + start + (len(stop) if self._include_stop else 0)
-        self._unsent = (self._unsent + pending_whole)[: end - self._sent_length]
+        self._unsent = (self._unsent + pending_whole)[: end - len(self._sent)]
         self._pending = ""
         self._done = True
         self._stop_string = stop

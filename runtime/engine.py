@@ -122,6 +122,7 @@ class LLMEngine:
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 ),
                 [],
                 [],

@@ -70,7 +70,12 @@ def sample(
         repetition_penalties=[p.repetition_penalty for p in params],
     )
     token_ids = _choose(processed, sequences)
-    return [_sampled(raw_logprobs[i], token_id, params[i].logprobs) for i, token_id in enumerate(token_ids)]
+    chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+    logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
+    return [
+        SampledToken(token_id, logprob, _top_logprobs_if(raw_logprobs[i], token_id, params[i].logprobs))
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True))
+    ]
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
@@ -173,9 +178,8 @@ def apply_top_k(logits: torch.Tensor, top_k: Sequence[int | None]) -> torch.Tens
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if all(k == vocab_size for k in ks):
         return logits
-    ordered = logits.sort(dim=-1, descending=True).values
-    index = torch.tensor(ks, device=logits.device).unsqueeze(1) - 1
-    kth = ordered.gather(1, index)
+    largest = logits.topk(max(ks), dim=-1).values
+    kth = largest.gather(1, torch.tensor(ks, device=logits.device).unsqueeze(1) - 1)
     return logits.masked_fill(logits < kth, _NEG_INF)
 
 
@@ -256,10 +260,8 @@ def _counts(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> 
     return torch.bincount(ids, minlength=vocab_size).to(torch.float32)
 
 
-def _sampled(raw_logprobs: torch.Tensor, token_id: int, num_top: int | None) -> SampledToken:
-    logprob = float(raw_logprobs[token_id])
-    top = None if num_top is None else _top_logprobs(raw_logprobs, token_id, num_top)
-    return SampledToken(token_id=token_id, logprob=logprob, top_logprobs=top)
+def _top_logprobs_if(logprobs: torch.Tensor, token_id: int, num_top: int | None) -> TokenLogprobs | None:
+    return None if num_top is None else _top_logprobs(logprobs, token_id, num_top)
 
 
 def _top_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
