@@ -4,6 +4,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph, Node, Value, ValueKind
 from kiln.ir.ops import REGISTRY, OpDef, get_op
+from kiln.ir.program import Program
 from kiln.ir.serialize import graph_from_json, graph_to_json, load_weights, save_weights
 from kiln.ir.step import KV_CACHE_INPUT, STEP_INPUT_TYPES, StepInputs, kv_cache_type
 from kiln.ir.text import parse_graph, print_graph, structural_equal
@@ -20,6 +21,7 @@ __all__ = [
     "IRError",
     "Node",
     "OpDef",
+    "Program",
     "QuantLayout",
     "StepInputs",
     "TensorType",

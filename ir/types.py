@@ -14,6 +14,7 @@ DTYPES: dict[str, torch.dtype] = {
     "i64": torch.int64,
     "i32": torch.int32,
     "u8": torch.uint8,
+    "i8": torch.int8,
     "bool": torch.bool,
 }
 DTYPE_OF_TORCH: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}

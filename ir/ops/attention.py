@@ -73,6 +73,9 @@ def rope(
     return x * cos + rotated * sin
 
 
+_rotate = rope  # paged_attention's `rope` attribute shadows the function's name there
+
+
 def _infer_rope(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     x, positions = required(inputs[0], "x"), required(inputs[1], "positions")
     require(
@@ -113,18 +116,26 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    positions: torch.Tensor | None = None,
     *,
     layer: int,
     scale: float,
     sliding_window: int | None = None,
+    rope: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache at `slot_mapping`, then attend over each sequence's blocks.
+
+    With `rope` (the rope op's attributes) and `positions`, q and k are rotated first: the fused form
+    of rope → paged_attention, so a backend can rotate in the attention kernel's input stage.
 
     kv_cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim]. Sequence b owns query rows
     query_start_loc[b]:query_start_loc[b+1], which are the last tokens of its seq_lens[b] context;
     a query at position p sees keys at positions <= p (and > p - sliding_window when one is set).
     Slots < 0 are padding and are not written.
     """
+    if rope is not None:
+        assert positions is not None
+        q, k = _rotate(q, positions, **rope), _rotate(k, positions, **rope)
     num_blocks, block_size, kv_heads, head_dim = kv_cache.shape[2:]
     key_cache = kv_cache[layer, 0].view(num_blocks * block_size, kv_heads, head_dim)
     value_cache = kv_cache[layer, 1].view(num_blocks * block_size, kv_heads, head_dim)
@@ -198,6 +209,14 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
         block_tables.rank == 2 and seq_lens.rank == 1, "block_tables must be [B, max_blocks], seq_lens [B]"
     )
     require(query_start_loc.rank == 1, "query_start_loc must be [B+1]")
+    rope_attrs = attrs.get("rope")
+    positions = inputs[8] if len(inputs) > 8 else None
+    require((rope_attrs is None) == (positions is None), "rope attrs and the positions input go together")
+    if rope_attrs is not None:
+        require(
+            isinstance(rope_attrs, dict) and "theta" in rope_attrs, "rope must hold the rope op's attributes"
+        )
+        require(positions is not None and positions.shape == (q.shape[0],), "positions must be [T]")
     window = attrs.get("sliding_window")
     require(window is None or (isinstance(window, int) and window > 0), "sliding_window must be None or > 0")
     return [TensorType(q.dtype, q.shape)]
@@ -206,15 +225,16 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
 register(
     OpDef(
         "paged_attention",
-        (8, 8),
+        (8, 9),
         {
             "layer": "which layer of kv_cache this op reads and writes",
+            "rope": "None, or the rope op's attributes: rotate q and k at `positions` (9th input) first",
             "scale": "softmax scale, usually head_dim ** -0.5",
             "sliding_window": "None, or how many most recent positions a query sees (itself included)",
         },
         _infer_paged_attention,
         paged_attention,
         pure=False,
-        doc="(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc) -> out[T, heads, D]",
+        doc="attention of q[T,H,D] over the paged cache after writing k, v (see the function)",
     )
 )

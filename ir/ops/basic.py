@@ -158,7 +158,10 @@ def _infer_linear(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) ->
 LINEAR_ROW_GROUP = 8
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype != torch.float32:  # f16 / bf16: accumulate in float32
+        wide_bias = bias.to(torch.float32) if bias is not None else None
+        return linear_rows(x.to(torch.float32), weight.to(torch.float32), wide_bias).to(x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     if num_rows == 0:
@@ -170,7 +173,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return out[:num_rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
-register(OpDef("linear", (2, 3), {}, _infer_linear, _linear, doc="x @ weight.T + bias; weight[N, K]"))
+register(OpDef("linear", (2, 3), {}, _infer_linear, linear_rows, doc="x @ weight.T + bias; weight[N, K]"))
 
 
 def _infer_rms_norm(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:

@@ -1,0 +1,74 @@
+"""What a pass is: a named function `(program, options) -> (program, changed)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.ir import Program
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+DTYPES = ("f32", "f16", "bf16")
+
+
+class PassError(KilnError):
+    """A pass failed or was asked for something the program cannot take."""
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """Settings every pass may read.
+
+    quantization: None, "int8" (per output channel, symmetric), "int4" (groups of `group_size`, with
+    zero point) or "gguf" (import the GGUF blocks in `gguf_blocks` without re-quantizing).
+    gguf_blocks: param name → (ggml type name, raw uint8 blocks, one row of blocks per output row).
+    quantize_lm_head: also quantize the LM head (the embedding is a gather and is never quantized).
+    """
+
+    quantization: str | None = None
+    group_size: int = 32
+    quantize_lm_head: bool = False
+    dtype: str = "f32"
+    gguf_blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise PassError(
+                f"unknown quantization {self.quantization!r}",
+                hint=f"choose one of {', '.join(QUANTIZATIONS)}",
+            )
+        if self.group_size not in (32, 64, 128):
+            raise PassError(f"group_size {self.group_size} is not supported", hint="choose 32, 64 or 128")
+        if self.dtype not in DTYPES:
+            raise PassError(f"unknown dtype {self.dtype!r}", hint=f"choose one of {', '.join(DTYPES)}")
+
+
+PassFn = Callable[[Program, PassOptions], tuple[Program, bool]]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: PassFn
+    doc: str = ""
+
+
+def fixed_point(name: str, passes: list[Pass], max_rounds: int = 10) -> Pass:
+    """One pass that reruns `passes` in order until none changes the program."""
+
+    def run(program: Program, options: PassOptions) -> tuple[Program, bool]:
+        changed_any = False
+        for _ in range(max_rounds):
+            changed_round = False
+            for current in passes:
+                program, changed = current.run(program, options)
+                changed_round |= changed
+            changed_any |= changed_round
+            if not changed_round:
+                return program, changed_any
+        raise PassError(f"{name} did not reach a fixed point in {max_rounds} rounds")
+
+    return Pass(name, run, f"until nothing changes: {', '.join(p.name for p in passes)}")

@@ -1,0 +1,80 @@
+"""Phase 1 of quantization: compute a quantized weight (int8, int4) or import GGUF blocks as they are.
+No graph is touched here; `swap.py` puts the results into the program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.ir.ops.quant import pack_int4
+from kiln.passes.base import PassError
+
+# ggml type → (bytes per block of 32 values, scheme)
+GGUF_BLOCKS = {"Q8_0": (34, "symmetric"), "Q4_0": (18, "zero_point"), "Q4_1": (20, "min")}
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+    scheme: str
+    packing: str
+
+    def attrs(self) -> dict[str, int | str]:
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "scheme": self.scheme,
+            "packing": self.packing,
+        }
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8, one scale per output channel (row)."""
+    weight = weight.to(torch.float32)
+    scales = weight.abs().amax(dim=1, keepdim=True) / 127
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(weight / scales).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(q, scales, None, 8, weight.shape[1], "symmetric", "none")
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """Asymmetric int4 in groups along the input dim: value = scale * (q - zero), q in 0..15."""
+    rows, k = weight.shape
+    groups = weight.to(torch.float32).reshape(rows, k // group_size, group_size)
+    low = groups.amin(dim=-1).clamp(max=0)
+    high = groups.amax(dim=-1).clamp(min=0)
+    scales = (high - low) / 15
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    zeros = torch.round(-low / scales).clamp(0, 15)
+    q = (torch.round(groups / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
+    return QuantizedWeight(
+        pack_int4(q.reshape(rows, k), "pairs"), scales, zeros, 4, group_size, "zero_point", "pairs"
+    )
+
+
+def import_gguf(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int], name: str) -> QuantizedWeight:
+    """GGUF Q8_0 / Q4_0 / Q4_1 blocks as our layout, without re-quantizing: scales (and mins) stay f16."""
+    if ggml_type not in GGUF_BLOCKS:
+        raise PassError(f"weight {name}: GGUF type {ggml_type} cannot be imported", hint="use int8 or int4")
+    block_bytes, scheme = GGUF_BLOCKS[ggml_type]
+    rows, k = shape
+    raw = torch.from_numpy(
+        np.ascontiguousarray(blocks).view(np.uint8).reshape(rows, k // 32, block_bytes).copy()
+    )
+    scales = raw[..., 0:2].contiguous().view(torch.float16).reshape(rows, k // 32)
+    if ggml_type == "Q8_0":
+        qweight = raw[..., 2:].contiguous().view(torch.int8).reshape(rows, k)
+        return QuantizedWeight(qweight, scales, None, 8, 32, scheme, "none")
+    if ggml_type == "Q4_0":
+        qweight = raw[..., 2:].reshape(rows, k // 2)
+        zeros = torch.full_like(scales, 8.0)
+        return QuantizedWeight(qweight.contiguous(), scales, zeros, 4, 32, scheme, "gguf")
+    mins = raw[..., 2:4].contiguous().view(torch.float16).reshape(rows, k // 32)
+    qweight = raw[..., 4:].reshape(rows, k // 2)
+    return QuantizedWeight(qweight.contiguous(), scales, mins, 4, 32, scheme, "gguf")
