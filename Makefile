@@ -31,9 +31,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Until the server lands: compile SmolLM2 through capture → IR → reference backend and print a chat reply.
+# The OpenAI-compatible server for $(MODEL); serves on 127.0.0.1:8000.
 serve: model
-	$(BIN)/kiln generate $(MODEL) --chat --prompt "Name three things a kiln is used for." --max-tokens 64
+	$(BIN)/kiln serve $(MODEL)
 
 bench: model
 	$(BIN)/python bench/reference.py

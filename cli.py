@@ -46,22 +46,78 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    from kiln.frontend.capture import capture_weights
-    from kiln.frontend.load import load_model
-    from kiln.ir import print_graph
+def _serve(args: argparse.Namespace) -> int:
+    from kiln.llm import LLM
+    from kiln.runtime.async_engine import AsyncEngine
+    from kiln.server.run import run_server
 
-    source = load_model(args.model)
-    config = source.config
-    print(f"model: {source.name} ({config.architecture}) from {source.path}")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    sizes = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+    }
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        **{name: value for name, value in sizes.items() if value is not None},
+    )
+    run_server(
+        AsyncEngine(llm.engine),
+        served_model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        log_level=args.uvicorn_log_level,
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from kiln.build import build_reference
+    from kiln.ir import print_graph
+    from kiln.passes.memory_plan import plan_memory
+
+    built = build_reference(
+        args.model,
+        opt_level=args.opt_level,
+        quantization=args.quantization,
+        dtype=args.dtype,
+        group_size=args.group_size,
+    )
+    config = built.config
+    print(f"model: {built.name} ({config.architecture})")
     print(
         f"layers {config.num_hidden_layers}, hidden {config.hidden_size}, heads {config.num_attention_heads}"
         f"/{config.num_key_value_heads} kv, head_dim {config.head_dim}, vocab {config.vocab_size}, "
         f"tied {config.tie_word_embeddings}, sliding_window {config.sliding_window}"
     )
     if args.ir:
-        captured = capture_weights(config, source.float_weights())
-        print(print_graph(captured.graph), end="")
+        print(print_graph(built.program.graph), end="")
+    before, after = built.captured, built.program
+    print(f"pipeline O{args.opt_level}, quantization {args.quantization or 'none'}, dtype {args.dtype}")
+    print(built.pass_report.table())
+    print(
+        f"nodes {len(before.graph.nodes)} -> {len(after.graph.nodes)}; "
+        f"weight bytes {before.weight_bytes():,} -> {after.weight_bytes():,}"
+    )
+    print("ops after: " + ", ".join(f"{op} {n}" for op, n in sorted(after.graph.op_counts().items())))
+    sizes = {
+        "T": args.plan_tokens,
+        "B": 1,
+        "B1": 2,
+        "L": 1,
+        "MB": -(-args.plan_tokens // 16),
+        "NB": 1,
+        "BS": 16,
+    }
+    plan = plan_memory(after.graph, sizes)
+    print(
+        f"activations of a {args.plan_tokens}-token prefill: peak {plan.peak_live_bytes:,} bytes live, "
+        f"{len(plan.buffer_bytes)} buffers of {plan.planned_bytes:,} bytes planned"
+    )
     return 0
 
 
@@ -88,9 +144,41 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-model-len", type=int, default=None)
     generate.set_defaults(run=_generate)
 
-    inspect = commands.add_parser("inspect", help="describe a model; --ir prints its captured IR")
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the API")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the name clients send as `model` (default: MODEL)"
+    )
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 16)")
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 512)"
+    )
+    serve.add_argument(
+        "--kv-cache-memory", type=int, default=None, metavar="BYTES", help="the KV cache's size in bytes"
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 503 when more than this many sequences would wait (default: no limit)",
+    )
+    serve.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_serve)
+
+    inspect = commands.add_parser(
+        "inspect", help="describe a model and its pass pipeline; --ir prints the IR"
+    )
     inspect.add_argument("model")
-    inspect.add_argument("--ir", action="store_true")
+    inspect.add_argument("--ir", action="store_true", help="print the IR after the pipeline")
+    inspect.add_argument("--opt-level", type=int, default=0, choices=[0, 1, 2])
+    inspect.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None)
+    inspect.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
+    inspect.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    inspect.add_argument("--plan-tokens", type=int, default=512, help="prefill size for the memory plan")
     inspect.set_defaults(run=_inspect)
     return parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kiln.ir import Graph, Node, Program, TensorType, Value, ValueKind
+from kiln.ir import Graph, Node, Program, TensorType, Value, ValueKind, get_op
 from kiln.ir.builder import GraphBuilder
 
 
@@ -24,6 +24,19 @@ def use_counts(graph: Graph) -> dict[str, int]:
     for value in graph.outputs:
         counts[value.name] = counts.get(value.name, 0) + 1
     return counts
+
+
+def live_nodes(nodes: Sequence[Node], outputs: Sequence[Value]) -> list[Node]:
+    """`nodes` without the pure ones whose outputs nothing reads (transitively)."""
+    live = {v.name for v in outputs}
+    kept = []
+    for node in reversed(nodes):
+        if get_op(node.op).pure and not any(v.name in live for v in node.outputs):
+            continue
+        kept.append(node)
+        live.update(v.name for v in node.inputs if v is not None)
+    kept.reverse()
+    return kept
 
 
 class Rewriter:
@@ -80,8 +93,10 @@ class Rewriter:
         return value
 
     def finish(self) -> Program:
-        """The new program; params no node reads any more are dropped with their weights."""
-        outputs = [self.value(v) for v in self.graph.outputs]
+        """The new program, without nodes and params that nothing reads any more."""
+        outputs = [v for v in (self.value(v) for v in self.graph.outputs) if v is not None]
+        if self.changed:
+            self._nodes = live_nodes(self._nodes, outputs)
         used = {v.name for node in self._nodes for v in node.inputs if v is not None}
         params = [p for p in self._params.values() if p.name in used]
         graph = Graph(

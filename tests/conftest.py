@@ -18,10 +18,23 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_built(smollm2_gguf_path: Path):
-    """SmolLM2 loaded from its GGUF, captured, on the reference backend (kiln.build.BuiltModel)."""
+    """SmolLM2 loaded from its GGUF, captured, unoptimised (O0) on the reference backend: the oracle."""
     from kiln.build import build_reference
 
-    return build_reference(str(smollm2_gguf_path))
+    return build_reference(str(smollm2_gguf_path), opt_level=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_o2(smollm2_built):
+    """The same capture after the O2 pipeline (fusions, LM head on logits rows): faster, same numbers."""
+    import dataclasses
+
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.passes import PassManager, PassOptions, pipeline
+
+    program, report = PassManager(pipeline(2, PassOptions())).run(smollm2_built.captured)
+    executable = ReferenceExecutable(program.graph, program.weights)
+    return dataclasses.replace(smollm2_built, program=program, pass_report=report, executable=executable)
 
 
 @pytest.fixture(scope="session")

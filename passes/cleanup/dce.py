@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Program, get_op
+from kiln.ir import Graph, Program
 from kiln.passes.base import Pass, PassOptions
+from kiln.passes.rewriter import live_nodes
 
 
-def dce(program: Program, options: PassOptions) -> tuple[Program, bool]:
+def dce(program: Program, options: PassOptions | None) -> tuple[Program, bool]:
     graph = program.graph
-    live = {v.name for v in graph.outputs}
-    kept = []
-    for node in reversed(graph.nodes):
-        if get_op(node.op).pure and not any(v.name in live for v in node.outputs):
-            continue
-        kept.append(node)
-        live.update(v.name for v in node.inputs if v is not None)
-    kept.reverse()
-    params = [p for p in graph.params if p.name in live]
+    kept = live_nodes(graph.nodes, graph.outputs)
+    read = {v.name for node in kept for v in node.inputs if v is not None} | {v.name for v in graph.outputs}
+    params = [p for p in graph.params if p.name in read]
     changed = len(kept) != len(graph.nodes) or len(params) != len(graph.params)
     new_graph = Graph(graph.name, list(graph.inputs), params, kept, list(graph.outputs))
     return Program(new_graph, {p.name: program.weights[p.name] for p in params}), changed

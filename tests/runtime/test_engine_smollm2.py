@@ -31,28 +31,28 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
 
 
 @pytest.mark.slow
-def test_batch_invariance_with_chunked_prefill_and_preemption(smollm2_built) -> None:
+def test_batch_invariance_with_chunked_prefill_and_preemption(smollm2_o2) -> None:
     prompts = _prompts(16)
     alone = {}
     for i, prompt in enumerate(prompts):
-        alone |= {f"r{i}": _run(_engine(smollm2_built), [prompt], GREEDY)["r0"]}
-    together = _engine(smollm2_built)
+        alone |= {f"r{i}": _run(_engine(smollm2_o2), [prompt], GREEDY)["r0"]}
+    together = _engine(smollm2_o2)
     assert _run(together, prompts, GREEDY) == alone
     assert together.stats.num_steps < sum(len(p) for p in prompts)  # prompts really were batched
 
-    cramped = _engine(smollm2_built, num_blocks=24)  # 23 usable blocks of 16 tokens for 16 requests
+    cramped = _engine(smollm2_o2, num_blocks=24)  # 23 usable blocks of 16 tokens for 16 requests
     assert _run(cramped, prompts, GREEDY) == alone
     assert cramped.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow
-def test_prefix_caching_computes_only_the_unshared_tokens(smollm2_built) -> None:
+def test_prefix_caching_computes_only_the_unshared_tokens(smollm2_o2) -> None:
     generator = torch.Generator().manual_seed(5)
     prefix = torch.randint(100, 49000, (200,), generator=generator).tolist()
     first, second = [*prefix, 1000, 2000, 3000], [*prefix, 4000, 5000, 6000, 7000]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
-    engine = _engine(smollm2_built)
+    engine = _engine(smollm2_o2)
     _run(engine, [first], params)
     before = engine.stats.num_computed_tokens
     engine.add_request("second", second, params)
@@ -63,9 +63,9 @@ def test_prefix_caching_computes_only_the_unshared_tokens(smollm2_built) -> None
     assert engine.stats.num_computed_tokens - before == (len(second) - shared_blocks * 16) + 4
 
     uncached = LLMEngine(
-        smollm2_built.executable,
-        smollm2_built.tokenizer,
-        smollm2_built.model_id,
+        smollm2_o2.executable,
+        smollm2_o2.tokenizer,
+        smollm2_o2.model_id,
         2048,
         EngineConfig(num_blocks=256, enable_prefix_caching=False),
     )
@@ -73,24 +73,24 @@ def test_prefix_caching_computes_only_the_unshared_tokens(smollm2_built) -> None
 
 
 @pytest.mark.slow
-def test_seeded_sampling_reproduces_across_batches(smollm2_built) -> None:
+def test_seeded_sampling_reproduces_across_batches(smollm2_o2) -> None:
     prompts = _prompts(4)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
-    alone = _run(_engine(smollm2_built), [prompts[2]], seeded)["r0"]
-    engine = _engine(smollm2_built)
+    alone = _run(_engine(smollm2_o2), [prompts[2]], seeded)["r0"]
+    engine = _engine(smollm2_o2)
     for i, prompt in enumerate(prompts):
         params = seeded if i == 2 else SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
         engine.add_request(f"r{i}", prompt, params)
     together = {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
     assert together["r2"] == alone
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=8, ignore_eos=True)
-    assert _run(_engine(smollm2_built), [prompts[2]], other_seed)["r0"] != alone
+    assert _run(_engine(smollm2_o2), [prompts[2]], other_seed)["r0"] != alone
 
 
 @pytest.mark.slow
-def test_n_samples_share_the_prompt_blocks(smollm2_built) -> None:
+def test_n_samples_share_the_prompt_blocks(smollm2_o2) -> None:
     prompt = _prompts(8)[7]  # 68 tokens: 4 full blocks and a partial one
-    engine = _engine(smollm2_built)
+    engine = _engine(smollm2_o2)
     engine.add_request(
         "r", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     )
@@ -103,16 +103,16 @@ def test_n_samples_share_the_prompt_blocks(smollm2_built) -> None:
 
 
 @pytest.mark.slow
-def test_stop_string_spanning_tokens_is_cut(smollm2_built) -> None:
-    tokenizer = smollm2_built.tokenizer
+def test_stop_string_spanning_tokens_is_cut(smollm2_o2) -> None:
+    tokenizer = smollm2_o2.tokenizer
     prompt = tokenizer.encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    full = _run(_engine(smollm2_built), [prompt], params)["r0"]
+    full = _run(_engine(smollm2_o2), [prompt], params)["r0"]
     text = tokenizer.decode(full)
     pieces = [tokenizer.decode([t]) for t in full]
     boundary = len(pieces[0]) + len(pieces[1])  # a stop string from the end of token 2 into token 3
     stop = text[boundary - 2 : boundary + 2]
-    engine = _engine(smollm2_built)
+    engine = _engine(smollm2_o2)
     engine.add_request(
         "s", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     )
@@ -123,19 +123,19 @@ def test_stop_string_spanning_tokens_is_cut(smollm2_built) -> None:
     assert stop not in completion.text
 
 
-def test_prompt_logprobs_match_a_direct_computation(smollm2_built) -> None:
+def test_prompt_logprobs_match_a_direct_computation(smollm2_o2) -> None:
     prompt = _prompts(3)[2][:20]
-    engine = _engine(smollm2_built, budget=8)  # chunked: the rows come from three steps
+    engine = _engine(smollm2_o2, budget=8)  # chunked: the rows come from three steps
     engine.add_request(
         "p", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, logprobs=3)
     )
     (output,) = engine.run_to_completion()
     assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
     assert len(output.prompt_logprobs) == len(prompt)
-    direct = smollm2_built.executable.kv_cache_spec.allocate(4, 16)
+    direct = smollm2_o2.executable.kv_cache_spec.allocate(4, 16)
     from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
-    rows = smollm2_built.executable.step(
+    rows = smollm2_o2.executable.step(
         build_step_inputs([SequenceSlice(prompt, 0, [1, 2], logits_at=range(len(prompt) - 1))], 16), direct
     )
     expected = torch.log_softmax(rows, dim=-1)
@@ -164,13 +164,13 @@ def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
         SamplingParams(**kwargs)
 
 
-def test_a_prompt_longer_than_the_context_is_refused(smollm2_built) -> None:
-    engine = _engine(smollm2_built)
+def test_a_prompt_longer_than_the_context_is_refused(smollm2_o2) -> None:
+    engine = _engine(smollm2_o2)
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("long", list(range(100, 2200)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         engine.add_request("room", list(range(100, 2040)), SamplingParams(max_tokens=200))
-    small = _engine(smollm2_built, num_blocks=5)
+    small = _engine(smollm2_o2, num_blocks=5)
     with pytest.raises(ValueError, match="KV cache"):
         small.add_request("cache", list(range(100, 160)), SamplingParams(max_tokens=20))
     assert not engine.has_unfinished_requests() and not small.has_unfinished_requests()

@@ -1,0 +1,117 @@
+"""The FastAPI app: thin routes over the serving classes, the API-key check, the error handlers.
+
+    app = create_app(AsyncEngine(llm_engine), "my-model", api_key=None, max_waiting=None)
+
+With an API key, every route but /health and /metrics needs `Authorization: Bearer <key>`; the check
+runs before the body is read, so a request without the key is a 401 whatever its body.
+"""
+
+from __future__ import annotations
+
+import hmac
+from http import HTTPStatus
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.datastructures import State
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kiln.runtime.async_engine import AsyncEngine
+from kiln.server.errors import install_error_handlers, unauthorized
+from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kiln.server.serving_chat import OpenAIServingChat
+from kiln.server.serving_completions import OpenAIServingCompletion
+from kiln.server.serving_engine import Admission
+from kiln.server.serving_tokenize import OpenAIServingTokenization
+
+UNPROTECTED_PATHS = frozenset({"/health", "/metrics"})
+
+router = APIRouter()
+
+
+def _state(request: Request) -> State:
+    return request.app.state
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    dead = _state(request).engine.dead
+    return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE if dead is not None else HTTPStatus.OK)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).tokenization.models().model_dump())
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await _state(request).completions.create(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _state(request).chat.create(body, request)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).tokenization.tokenize(body).model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).tokenization.detokenize(body).model_dump())
+
+
+class APIKeyMiddleware:
+    """401 for a request without `Authorization: Bearer <key>`, before routing or reading the body."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in UNPROTECTED_PATHS
+            and scope["method"] != "OPTIONS"
+        ):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await unauthorized().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    engine: AsyncEngine, served_model_name: str, api_key: str | None, max_waiting: int | None
+) -> FastAPI:
+    """The server for one engine. The caller owns the engine (and shuts it down after the server)."""
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    app = FastAPI(title="Kiln", summary="OpenAI-compatible LLM server")
+    admission = Admission(engine.engine.scheduler.config.max_num_seqs, max_waiting)
+    server_metrics = ServerMetrics(engine, served_model_name)
+    state = app.state
+    state.engine = engine
+    state.metrics = server_metrics
+    state.completions = OpenAIServingCompletion(engine, served_model_name, admission, server_metrics)
+    state.chat = OpenAIServingChat(engine, served_model_name, admission, server_metrics)
+    state.tokenization = OpenAIServingTokenization(engine, served_model_name, admission, server_metrics)
+    app.include_router(router)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

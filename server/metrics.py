@@ -1,0 +1,155 @@
+"""Prometheus metrics, named as vLLM names them with a `kiln:` prefix, in the app's own registry.
+
+Gauges and token counters are read from the engine when scraped; latencies are observed per request,
+as the server sees its outputs arrive: time to first token and end-to-end from when the request was
+admitted, inter-token latency between successive outputs that carry new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+
+
+def engine_stats(engine: AsyncEngine) -> dict[str, Any]:
+    """The engine's gauges, read from the event loop while the loop thread may be changing them."""
+    for _ in range(10):
+        try:
+            return engine.stats()
+        except RuntimeError:  # a dict changed size while counted: read again
+            continue
+    return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = engine_stats(self.engine)
+        counters = self.engine.engine.stats
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:num_requests_running",
+            "Sequences running in the engine (in the batch).",
+            stats["num_running"],
+        )
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:num_requests_waiting",
+            "Sequences waiting to be scheduled.",
+            stats["num_waiting"],
+        )
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            stats["kv_cache_usage"],
+        )
+        yield self._metric(
+            CounterMetricFamily,
+            "kiln:prompt_tokens",
+            "Prompt tokens of admitted requests.",
+            counters.num_prompt_tokens,
+        )
+        yield self._metric(
+            CounterMetricFamily, "kiln:generation_tokens", "Tokens generated.", counters.num_generation_tokens
+        )
+        yield self._metric(
+            CounterMetricFamily,
+            "kiln:num_preemptions",
+            "Sequences preempted (to recompute later) for lack of KV blocks.",
+            self.engine.engine.scheduler.num_preemptions,
+        )
+
+    def _metric(
+        self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float
+    ) -> Metric:
+        metric = family(name, doc, labels=["model_name"])
+        metric.add_metric([self.model_name], float(value))
+        return metric
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "kiln:time_to_first_token_seconds", "Time from admission to the first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "kiln:inter_token_latency_seconds", "Time between a request's successive outputs.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "kiln:e2e_request_latency_seconds", "Time from admission to the last token.", E2E_BUCKETS
+        )
+        self._success = Counter(
+            "kiln:request_success",
+            "Requests that ended, by why (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """One engine request's latencies: feed it every output, then `close()` it (aborted if unfinished)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self._last: float | None = None
+        self._done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        if any(c.delta_token_ids for c in output.outputs):
+            if self._last is None:
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - self._last)
+            self._last = now
+        if output.finished and not self._done:
+            self._done = True
+            self.metrics.e2e_request_latency.observe(now - self.arrival)
+            self.metrics.request_finished(output.outputs[0].finish_reason or "stop")
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self.metrics.request_finished("abort")

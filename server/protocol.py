@@ -1,0 +1,333 @@
+"""Request and response bodies, in OpenAI's shape (and vLLM's for its extras and /tokenize).
+
+Request models are strict: a field of the wrong JSON type is a 400, never coerced ("10" is not an
+integer, 1.5 is not one either, true is not a number). Unknown fields are ignored, as vLLM ignores them.
+Fields follow the order of OpenAI's API reference; vLLM's extras (top_k, min_p, …) come last, marked.
+Each request model turns itself into the engine's SamplingParams; ranges are checked there, once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from kiln.runtime.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+# -- shared pieces --------------------------------------------------------------------------------------
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SamplingExtras(RequestModel):
+    """Sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its JSON string keys read as token ids; ValueError names a bad key."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias must be keyed by token ids, got key {key!r}") from None
+        return bias
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+# -- /v1/models -----------------------------------------------------------------------------------------
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kiln"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- /v1/completions ------------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingExtras):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's extra: the stop string or token id that ended it
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------------------
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingExtras):
+    messages: list[ChatMessageParam]
+    model: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that set the output limit, to name in errors."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs must be used with logprobs set to true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        try:
+            return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except ValueError as error:
+            if str(error).startswith("logprobs "):  # chat names the count top_logprobs
+                raise ValueError(f"top_{error}") from None
+            if str(error).startswith("max_tokens ") and self.max_completion_tokens is not None:
+                raise ValueError(f"max_completion_tokens{str(error).removeprefix('max_tokens')}") from None
+            raise
+
+
+class ChatMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /tokenize, /detokenize (vLLM) ----------------------------------------------------------------------
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's two forms in one: `prompt` (add_special_tokens defaults to true) or `messages`, rendered
+    with the chat template (add_special_tokens defaults to false: the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

@@ -1,0 +1,128 @@
+"""The real server as a user runs it: `python -m kiln.cli serve <gguf>` in a subprocess on a free port of
+127.0.0.1, SmolLM2 on the reference backend. Each start loads the model (~10 s), so one server serves
+a whole session (`api_server`) and modules start their own only for flags they need."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "smollm2"
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, gguf: Path, *args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.model = MODEL_NAME
+        command = [sys.executable, "-m", "kiln.cli", "serve", str(gguf), "--port", str(self.port)]
+        command += ["--served-model-name", MODEL_NAME, "--uvicorn-log-level", "warning", *args]
+        if api_key is not None:
+            command += ["--api-key", api_key]
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self._wait_until_healthy()
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kiln serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"kiln serve was not healthy after {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
+
+    def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
+
+    def post(self, path: str, headers: dict[str, str] | None = None, **kwargs: object) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = auth | (headers or {})
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name, labels other than model_name folded into the name."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+                suffix = "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
+                samples[sample.name + suffix] = sample.value
+        return samples
+
+    def wait_for_metrics(
+        self, ok: Callable[[dict[str, float]], bool], timeout: float = 30.0
+    ) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = self.metrics()
+            if ok(samples) or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Start `kiln serve` on SmolLM2 with extra flags; every server started is stopped at the end."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, api_key: str | None = None) -> ServerProcess:
+        server = ServerProcess(smollm2_gguf_path, *args, api_key=api_key)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def api_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """The shared server: default flags but a 1024-token context, so a too-long prompt is cheap."""
+    return start_server("--max-model-len", "1024")
