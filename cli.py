@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from kiln.build import build_reference
     from kiln.ir import print_graph
+    from kiln.passes.cost import matmul_flops
     from kiln.passes.memory_plan import plan_memory
 
     built = build_reference(
@@ -118,6 +119,14 @@ def _inspect(args: argparse.Namespace) -> int:
         f"activations of a {args.plan_tokens}-token prefill: peak {plan.peak_live_bytes:,} bytes live, "
         f"{len(plan.buffer_bytes)} buffers of {plan.planned_bytes:,} bytes planned"
     )
+    decode = {"T": 1, "B": 1, "B1": 2, "L": 1, "MB": 1, "NB": 1, "BS": 16}
+    for name, graph in (("captured", before.graph), ("after pipeline", after.graph)):
+        per_token = matmul_flops(graph, decode, context=args.plan_tokens)
+        prefill = matmul_flops(graph, sizes, context=args.plan_tokens // 2)  # keys seen per query, on average
+        print(
+            f"matmul FLOPs, {name}: {per_token:,} per decode token at context {args.plan_tokens}; "
+            f"{prefill:,} for a {args.plan_tokens}-token prefill"
+        )
     return 0
 
 

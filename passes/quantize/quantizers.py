@@ -61,15 +61,19 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
-    """Asymmetric int4 in groups along the input dim: value = scale * (q - zero), q in 0..15."""
+    """Asymmetric int4 in groups along the input dim: value = scale * (q - zero), q in 0..15.
+
+    Each group's 16 levels span exactly its [min, max]; the zero point is kept as a float (as ONNX
+    MatMulNBits and HQQ allow) rather than rounded to a level, so the grid is not shifted off the
+    group's range and a weight already on a 4-bit grid of the same groups (GGUF Q4_1) comes back
+    unchanged."""
     rows, k = weight.shape
     groups = weight.to(torch.float32).reshape(rows, k // group_size, group_size)
-    low = groups.amin(dim=-1).clamp(max=0)
-    high = groups.amax(dim=-1).clamp(min=0)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = (high - low) / 15
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    zeros = torch.round(-low / scales).clamp(0, 15)
-    q = (torch.round(groups / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
+    zeros = -low / scales
+    q = torch.round(groups / scales.unsqueeze(-1) + zeros.unsqueeze(-1)).clamp(0, 15)
     return QuantizedWeight(
         pack_int4(q.reshape(rows, k), "pairs"), scales, zeros, 4, group_size, "zero_point", "pairs"
     )

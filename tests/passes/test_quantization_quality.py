@@ -60,4 +60,6 @@ def test_quantized_perplexity(smollm2_built, smollm2_gguf_path, capsys) -> None:
     assert 1 < baseline < 100
     assert abs(results["GGUF Q4_1 imported"] - baseline) / baseline < 1e-5
     assert abs(results["int8"] - baseline) / baseline < 0.01
-    assert results["int4 g32"] < baseline * 1.5
+    # the baseline's weights lie on Q4_1's grid of 32-value groups, which int4 g32's float zero points
+    # reproduce: it lands on the baseline (int4 g64 does not: 33.4 on this text)
+    assert abs(results["int4 g32"] - baseline) / baseline < 0.01
