@@ -75,7 +75,129 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(KilnError):
+    """A command line that asks for something impossible (exit code 2)."""
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kiln.backends.base import BackendError
+    from kiln.backends.targets import TargetError, parse_targets
+    from kiln.compiler import CompileOptions, check_targets, compile_model
+
+    try:
+        targets = parse_targets(args.target)
+        check_targets(args.backend, targets)
+    except (TargetError, BackendError) as error:
+        raise UsageError(str(error), hint=error.hint) from None
+    options = CompileOptions(
+        backend=args.backend,
+        opt_level=args.opt_level,
+        quantization=None if args.quantization == "none" else args.quantization,
+        group_size=args.group_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    show = not (args.quiet or args.json)
+    stages = ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
+
+    def progress(stage: str, seconds: float) -> None:
+        if show:
+            done = stages.index(stage) + 1
+            bar = "#" * done + "." * (len(stages) - done)
+            print(f"[{bar}] {stage:<24} {seconds:6.2f} s", file=sys.stderr, flush=True)
+
+    result = compile_model(args.model, targets, options, Path(args.output), progress)
+    manifest = result.manifest
+    summary = {
+        "artifact": str(result.path),
+        "model": manifest["model"]["name"],
+        "targets": {
+            name: {
+                "backend": e["backend"],
+                "backend_version": e["backend_version"],
+                "kernels": "reference (torch)",
+            }
+            for name, e in manifest["targets"].items()
+        },
+        "seconds": {k: round(v, 3) for k, v in result.stage_seconds.items()},
+        "bytes": result.total_bytes(),
+        "files": len(manifest["files"]),
+    }
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    elif not args.quiet:
+        print(f"{'target':<14}{'backend':<12}{'version':<16}files")
+        for name, entry in manifest["targets"].items():
+            print(f"{name:<14}{entry['backend']:<12}{entry['backend_version']:<16}{', '.join(entry['code'])}")
+        total = sum(result.stage_seconds.values())
+        print(f"wrote {result.path} ({summary['bytes']:,} bytes, {summary['files']} files) in {total:.1f} s")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.runtime.artifact import load_artifact, probe_logits
+
+    artifact = load_artifact(Path(args.artifact), target=args.target)
+    now, recorded = probe_logits(artifact)
+    error = float((now - recorded).abs().max() / recorded.abs().max())
+    tolerance = float(artifact.target_entry["probe"]["tolerance"])
+    if error > tolerance:
+        print(
+            f"kiln: verify failed: probe logits differ by {error:.3g} (tolerance {tolerance:g})",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"ok: {artifact.path} ({artifact.target.name}): checksums, schema and backend version match; "
+        f"probe logits within {error:.3g} of compile time (tolerance {tolerance:g})"
+    )
+    return 0
+
+
+def _inspect_artifact(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kiln.ir import graph_from_json, print_graph
+    from kiln.runtime.artifact import read_manifest
+
+    folder = Path(args.model)
+    manifest = read_manifest(folder)
+    model = manifest["model"]
+    print(f"artifact {folder}: schema {manifest['schema_version']}, kiln {manifest['kiln_version']}")
+    print(f"model: {model['name']} ({model['architecture']}), source sha256 {model['source_sha256'][:16]}…")
+    print(
+        "compile: " + ", ".join(f"{k} {v}" for k, v in sorted(manifest["compile"].items()) if k != "passes")
+    )
+    print("passes: " + ", ".join(manifest["compile"]["passes"]))
+    print(f"limits: {manifest['limits']}")
+    for name, entry in manifest["targets"].items():
+        print(
+            f"target {name}: {entry['backend']} {entry['backend_version']}, gpu arch {entry['gpu_arch']}, "
+            f"code {entry['code']}, weights {entry['weights']}"
+        )
+    size = sum((folder / f).stat().st_size for f in manifest["files"])
+    print(f"{len(manifest['files'])} files, {size:,} bytes")
+    if args.ir:
+        entry = next(iter(manifest["targets"].values()))
+        graph = graph_from_json(json.loads((folder / entry["folder"] / "graph.json").read_text()))
+        print(print_graph(graph), end="")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.runtime.artifact import is_artifact
+
+    if is_artifact(Path(args.model)):
+        return _inspect_artifact(args)
     from kiln.build import build_reference
     from kiln.ir import print_graph
     from kiln.passes.cost import matmul_flops
@@ -178,9 +300,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
 
-    inspect = commands.add_parser(
-        "inspect", help="describe a model and its pass pipeline; --ir prints the IR"
+    compile_ = commands.add_parser("compile", help="compile a model ahead of time into an artifact folder")
+    compile_.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
+    compile_.add_argument(
+        "--backend", choices=["reference", "tvm", "onnxruntime", "tensorrt"], default="reference"
     )
+    compile_.add_argument(
+        "--target", default="cpu", help="cpu, cpu:<mcpu>, cuda:sm_80..sm_90; comma-separated"
+    )
+    compile_.add_argument("--quantization", choices=["none", "int8", "int4", "gguf"], default="none")
+    compile_.add_argument("--group-size", type=int, default=32)
+    compile_.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    compile_.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
+    compile_.add_argument("--max-model-len", type=int, default=None)
+    compile_.add_argument("--max-num-seqs", type=int, default=16)
+    compile_.add_argument("-o", "--output", required=True, help="the artifact folder to write")
+    compile_.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    compile_.add_argument("--json", action="store_true", help="print a JSON summary (for CI logs)")
+    compile_.set_defaults(run=_compile)
+
+    verify = commands.add_parser("verify", help="check an artifact: checksums, schema, load, probe logits")
+    verify.add_argument("artifact")
+    verify.add_argument("--target", default=None, help="which of its targets (default: the first that fits)")
+    verify.set_defaults(run=_verify)
+
+    inspect = commands.add_parser("inspect", help="describe a model or an artifact; --ir prints the IR")
     inspect.add_argument("model")
     inspect.add_argument("--ir", action="store_true", help="print the IR after the pipeline")
     inspect.add_argument("--opt-level", type=int, default=0, choices=[0, 1, 2])
@@ -196,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
+    except UsageError as error:
+        print(f"kiln: error: {error.one_line()}", file=sys.stderr)
+        return 2
     except KilnError as error:
         print(f"kiln: error: {error.one_line()}", file=sys.stderr)
         return 1

@@ -1,11 +1,25 @@
-"""The offline API, in vLLM's shape: `kiln.LLM(model).generate(prompts, kiln.SamplingParams(...))`."""
+"""The offline API, in vLLM's shape: `kiln.LLM(model).generate(prompts, kiln.SamplingParams(...))`.
+
+`model` is an artifact folder (from `kiln compile`), or a model (a known name, a GGUF file, a HF
+directory), which is compiled into the cache first ($KILN_HOME/artifacts/<key>, keyed by the model's
+bytes and the compile options), so the second start only loads.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
-from kiln.build import BuiltModel, build_reference
+from kiln import __version__
+from kiln.backends.registry import get_backend
+from kiln.backends.targets import Target
+from kiln.compiler import CompileOptions, compile_model, source_digest
+from kiln.frontend.pull import kiln_home, resolve_model
+from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
@@ -14,6 +28,37 @@ from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger(__name__)
+
+
+def cached_artifact(model: str, options: CompileOptions) -> Path:
+    """The cache folder for `model` compiled with `options` for this CPU, compiling it if needed."""
+    path = resolve_model(model)
+    key_parts = {
+        "source": source_digest(path),
+        "options": options.as_dict(),
+        "kiln": __version__,
+        "backend": get_backend(options.backend).version(),
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
+    folder = kiln_home() / "artifacts" / key
+    if is_artifact(folder):
+        return folder
+    logger.info("compiling %s into %s", model, folder)
+    compile_model(model, [Target("cpu")], options, folder)
+    return folder
+
+
+def load_or_compile(model: str, options: CompileOptions | None = None) -> LoadedArtifact:
+    path = Path(model)
+    if is_artifact(path):
+        return load_artifact(path)
+    folder = cached_artifact(model, options or CompileOptions())
+    try:
+        return load_artifact(folder)
+    except ArtifactError:  # a damaged cache entry: compile it again
+        compile_model(model, [Target("cpu")], options or CompileOptions(), folder)
+        return load_artifact(folder)
 
 
 class LLM:
@@ -29,8 +74,10 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        quantization: str | None = None,
+        dtype: str = "f32",
     ) -> None:
-        self.built: BuiltModel = build_reference(model)
+        self.artifact = load_or_compile(model, CompileOptions(quantization=quantization, dtype=dtype))
         config = EngineConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
@@ -40,16 +87,16 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
         )
         self.engine = LLMEngine(
-            self.built.executable,
-            self.built.tokenizer,
-            self.built.model_id,
-            self.built.config.max_position_embeddings,
+            self.artifact.executable,
+            self.artifact.tokenizer,
+            self.artifact.model_id,
+            self.artifact.max_model_len,
             config,
         )
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.built.tokenizer
+        return self.artifact.tokenizer
 
     def generate(
         self,

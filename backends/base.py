@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from kiln.backends.targets import Target
 from kiln.errors import KilnError
-from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, StepInputs
+from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, StepInputs
 
 
 class BackendError(KilnError):
@@ -47,3 +49,23 @@ class Executable(Protocol):
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab], float32."""
         ...
+
+
+class Backend(Protocol):
+    """Turns a program into files for one target, and those files back into an Executable."""
+
+    name: str
+
+    def version(self) -> str:
+        """What must match between compile and load (the backend's own version string)."""
+        ...
+
+    def unsupported(self, target: Target) -> str | None:
+        """Why this backend cannot build `target` here, or None."""
+        ...
+
+    def compile(self, program: Program, target: Target, folder: Path) -> list[str]:
+        """Write the compiled code for `target` into `folder`; the file names written."""
+        ...
+
+    def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable: ...

@@ -73,7 +73,7 @@ def main() -> None:
         args.model, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens
     )
     engine = AsyncEngine(llm.engine)
-    vocab = llm.built.config.vocab_size
+    vocab = llm.get_tokenizer().vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     print(

@@ -1,0 +1,43 @@
+"""The reference backend as an artifact builder: its "compiled code" is the optimized graph as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.backends.base import BackendError, Executable
+from kiln.backends.reference.executable import ReferenceExecutable
+from kiln.backends.targets import Target
+from kiln.ir import Program, graph_from_json, graph_to_json
+
+GRAPH_FILE = "graph.json"
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def version(self) -> str:
+        return f"torch-{torch.__version__.split('+')[0]}"
+
+    def unsupported(self, target: Target) -> str | None:
+        if target.name != "cpu":
+            return (
+                f"the reference backend runs on the CPU with portable torch code only; target {target.name} "
+                "needs a compiling backend (tvm, onnxruntime, tensorrt)"
+            )
+        return None
+
+    def compile(self, program: Program, target: Target, folder: Path) -> list[str]:
+        folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(graph_to_json(program.graph), indent=1, sort_keys=True) + "\n"
+        (folder / GRAPH_FILE).write_text(text)
+        return [GRAPH_FILE]
+
+    def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
+        try:
+            graph = graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError) as error:
+            raise BackendError(f"{folder / GRAPH_FILE}: cannot read the graph ({error})") from None
+        return ReferenceExecutable(graph, weights)

@@ -1,0 +1,218 @@
+"""The artifact format: a folder that runs without the original model.
+
+    DIR/manifest.json            schema version, kiln version, model config, tokenizer fields, pass
+                                 pipeline and options, limits, per-target entries, sha256 of every file
+    DIR/tokenizer.json           the `tokenizers` tokenizer
+    DIR/chat_template.jinja      the chat template (when the model has one)
+    DIR/weights/<hash>.safetensors   weights, stored once however many targets share them
+    DIR/<target>/...             one folder per target: the backend's compiled code, probe logits
+
+Loading checks, in order, and refuses with the cause named: the manifest parses, its schema version
+is known, every listed file is present with its sha256, a target fits this machine (GPU arch), and
+the backend's version equals the one the artifact was built with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kiln.backends.base import Executable
+from kiln.backends.registry import get_backend
+from kiln.backends.targets import Target, TargetError, mismatch
+from kiln.errors import KilnError
+from kiln.runtime.tokenizer import Tokenizer
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+PROBE_FILE = "probe.safetensors"
+
+
+class ArtifactError(KilnError):
+    """An artifact folder that is missing, corrupt, of another version or for another machine."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_artifact(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def write_weights(root: Path, weights: dict[str, torch.Tensor]) -> str:
+    """Save weights under root/weights/, named by their bytes (so targets sharing them share the file);
+    the path relative to root."""
+    (root / "weights").mkdir(parents=True, exist_ok=True)
+    scratch = root / "weights" / "incoming.tmp"
+    save_file({name: t.contiguous() for name, t in sorted(weights.items())}, str(scratch))
+    name = f"weights/{sha256_file(scratch)[:16]}.safetensors"
+    target = root / name
+    if target.exists():
+        scratch.unlink()
+    else:
+        scratch.rename(target)
+    return name
+
+
+def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Write tokenizer.json (and the chat template); the remaining fields go in the manifest."""
+    fields = tokenizer.to_dict()
+    (folder / TOKENIZER_FILE).write_text(fields.pop("tokenizer_json"))
+    template = fields.pop("chat_template")
+    if template is not None:
+        (folder / CHAT_TEMPLATE_FILE).write_text(template)
+    return fields
+
+
+def seal(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Record the sha256 of every file in the folder and write manifest.json."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {
+        **manifest,
+        "schema_version": SCHEMA_VERSION,
+        "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files},
+    }
+    write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+@dataclass
+class LoadedArtifact:
+    path: Path
+    manifest: dict[str, Any]
+    target: Target
+    executable: Executable
+    tokenizer: Tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return str(self.manifest["model"]["name"])
+
+    @property
+    def model_id(self) -> str:
+        return str(self.manifest["model"]["model_id"])
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.manifest["limits"]["max_model_len"])
+
+    @property
+    def target_entry(self) -> dict[str, Any]:
+        return self.manifest["targets"][self.target.name]
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder}: no such artifact folder", hint="compile one with `kiln compile`")
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: no {MANIFEST}", hint="this is not a kiln artifact folder")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ArtifactError(
+            f"{path}: not valid JSON ({error}); the manifest is truncated or corrupt", hint="compile it again"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: not a manifest object", hint="compile it again")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{path}: unknown schema version {version!r} (this kiln reads {SCHEMA_VERSION})",
+            hint="compile the model again with this version of kiln",
+        )
+    return manifest
+
+
+def check_files(folder: Path, manifest: dict[str, Any]) -> None:
+    for name, digest in manifest.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise ArtifactError(f"{folder}: file {name} is missing", hint="copy the whole artifact folder")
+        if sha256_file(path) != digest:
+            raise ArtifactError(
+                f"{folder}: checksum mismatch for {name} (the file was changed or damaged)",
+                hint="copy or compile the artifact again",
+            )
+
+
+def choose_target(manifest: dict[str, Any], wanted: str | None) -> Target:
+    targets = manifest.get("targets") or {}
+    if wanted is not None:
+        if wanted not in targets:
+            raise ArtifactError(f"the artifact has no target {wanted}", hint=f"it has {', '.join(targets)}")
+        names = [wanted]
+    else:
+        names = list(targets)
+    reasons = []
+    for name in names:
+        try:
+            target = Target.parse(name)
+        except TargetError as error:
+            reasons.append(str(error))
+            continue
+        reason = mismatch(target)
+        if reason is None:
+            return target
+        reasons.append(reason)
+    raise ArtifactError(
+        "; ".join(reasons) or "the artifact has no targets", hint="compile it for this machine"
+    )
+
+
+def load_artifact(folder: Path, target: str | None = None) -> LoadedArtifact:
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    check_files(folder, manifest)
+    chosen = choose_target(manifest, target)
+    entry = manifest["targets"][chosen.name]
+    backend = get_backend(entry["backend"])
+    if backend.version() != entry["backend_version"]:
+        raise ArtifactError(
+            f"{folder}: built with {entry['backend']} {entry['backend_version']}, this machine has "
+            f"{backend.version()}",
+            hint="compile the model again here, or install the backend version it was built with",
+        )
+    try:
+        weights = load_file(str(folder / entry["weights"]))
+    except (OSError, SafetensorError) as error:
+        raise ArtifactError(f"{folder / entry['weights']}: cannot read the weights ({error})") from None
+    executable = backend.load(folder / chosen.folder, weights, chosen)
+    fields = dict(manifest["tokenizer"])
+    fields["tokenizer_json"] = (folder / TOKENIZER_FILE).read_text()
+    template = folder / CHAT_TEMPLATE_FILE
+    fields["chat_template"] = template.read_text() if template.is_file() else None
+    return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields))
+
+
+def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits now, logits recorded at compile time) for the artifact's probe prompt."""
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    probe = artifact.target_entry["probe"]
+    token_ids = probe["token_ids"]
+    block_size = 16
+    blocks = list(range(1, -(-len(token_ids) // block_size) + 1))
+    cache = artifact.executable.kv_cache_spec.allocate(len(blocks) + 1, block_size)
+    inputs = build_step_inputs([SequenceSlice(token_ids, 0, blocks)], block_size)
+    now = artifact.executable.step(inputs, cache)[0]
+    recorded = load_file(str(artifact.path / probe["logits_file"]))["logits"]
+    return now, recorded

@@ -1,0 +1,133 @@
+"""Loading refuses a damaged, foreign or mismatched artifact, naming the cause."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.backends.targets import Target
+from kiln.runtime.artifact import ArtifactError, is_artifact, load_artifact, probe_logits, seal
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory, tiny_hf_dir) -> Path:
+    from kiln.compiler import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("artifact") / "tiny"
+    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path_factory.mktemp("tiny_hf")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 64)}}
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    ).save_pretrained(path)
+    return path
+
+
+def _copy(compiled: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    return copy
+
+
+def _edit_manifest(folder: Path, change) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    change(manifest)
+    del manifest["files"]
+    seal(folder, manifest)  # checksums stay right: only the edited field is wrong
+
+
+def test_a_good_artifact_loads_and_matches_its_probe(compiled: Path) -> None:
+    assert is_artifact(compiled)
+    artifact = load_artifact(compiled)
+    now, recorded = probe_logits(artifact)
+    assert torch.equal(now, recorded)
+    assert artifact.target.name == "cpu" and artifact.max_model_len == 128
+
+
+def test_tampered_weights_are_refused_naming_the_file(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    (weights,) = (copy / "weights").iterdir()
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=rf"checksum mismatch for weights/{weights.name}"):
+        load_artifact(copy)
+
+
+def test_a_missing_file_is_named(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    (copy / "cpu" / "graph.json").unlink()
+    with pytest.raises(ArtifactError, match=r"file cpu/graph\.json is missing"):
+        load_artifact(copy)
+
+
+def test_a_truncated_manifest_is_refused(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    text = (copy / "manifest.json").read_text()
+    (copy / "manifest.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ArtifactError, match="manifest is truncated or corrupt"):
+        load_artifact(copy)
+
+
+def test_an_unknown_schema_version_is_refused(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="unknown schema version 99"):
+        load_artifact(copy)
+
+
+def test_a_foreign_gpu_arch_is_refused(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    shutil.move(copy / "cpu", copy / "cuda-sm_90")
+
+    def to_gpu(manifest: dict) -> None:
+        entry = manifest["targets"].pop("cpu")
+        entry.update(target="cuda:sm_90", gpu_arch="sm_90", folder="cuda-sm_90")
+        entry["probe"]["logits_file"] = "cuda-sm_90/probe.safetensors"
+        manifest["targets"]["cuda:sm_90"] = entry
+
+    _edit_manifest(copy, to_gpu)
+    from kiln.backends.targets import host_gpu_arch
+
+    expected = "has no NVIDIA GPU" if host_gpu_arch() is None else "but this machine's GPU is"
+    if host_gpu_arch() == "sm_90":
+        pytest.skip("this machine's GPU is sm_90, the arch the test pretends is foreign")
+    with pytest.raises(ArtifactError, match=rf"for cuda:sm_90 \(sm_90\).*{expected}|sm_90.*{expected}"):
+        load_artifact(copy)
+
+
+def test_another_backend_version_is_refused(compiled: Path, tmp_path: Path) -> None:
+    copy = _copy(compiled, tmp_path)
+    _edit_manifest(copy, lambda m: m["targets"]["cpu"].update(backend_version="torch-1.0.0"))
+    with pytest.raises(ArtifactError, match=r"built with reference torch-1\.0\.0, this machine has torch-"):
+        load_artifact(copy)
+
+
+def test_a_folder_that_is_not_an_artifact(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match=r"no manifest\.json"):
+        load_artifact(tmp_path)
