@@ -6,7 +6,9 @@ STAMP := $(VENV)/.kiln-installed
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model test test-fast lint serve bench clean
+PEERS := .venv-peers
+
+.PHONY: setup model test test-fast lint serve bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +40,16 @@ serve: model
 bench: model
 	$(BIN)/python bench/reference.py
 
+# Peers in their own venv (llama.cpp is compiled from source for this CPU: several minutes), then one
+# side-by-side run on the same GGUF.
+$(PEERS)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check llama-cpp-python
+	touch $@
+
+bench-peers: model $(PEERS)/.installed
+	$(PEERS)/bin/python bench/peers.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache

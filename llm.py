@@ -31,6 +31,21 @@ Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
 
 
+_COMPILER_CODE = ("frontend", "ir", "passes", "backends", "compiler.py", "build.py")
+
+
+def compiler_digest() -> str:
+    """The sha256 of the code that turns a model into an artifact: a cache entry made by other code
+    is never reused (the version number alone does not change between commits)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for part in _COMPILER_CODE:
+        files = [root / part] if part.endswith(".py") else sorted((root / part).rglob("*.py"))
+        for file in files:
+            digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 def cached_artifact(model: str, options: CompileOptions) -> Path:
     """The cache folder for `model` compiled with `options` for this CPU, compiling it if needed."""
     path = resolve_model(model)
@@ -38,6 +53,7 @@ def cached_artifact(model: str, options: CompileOptions) -> Path:
         "source": source_digest(path),
         "options": options.as_dict(),
         "kiln": __version__,
+        "compiler": compiler_digest(),
         "backend": get_backend(options.backend).version(),
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
