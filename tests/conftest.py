@@ -1,8 +1,13 @@
 """Shared test fixtures. The real-model ones skip, with the reason, where the model is not fetched."""
 
+import io
 import os
+import random
 from pathlib import Path
+from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 
 
@@ -46,3 +51,95 @@ def smollm2_hf(smollm2_gguf_path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
     ).eval()
+
+
+def write_tokenizer_gguf(path: Path, tokenizer_keys: dict[str, Any]) -> Path:
+    """A GGUF with just enough of a llama model around the given tokenizer metadata."""
+    writer = gguf.GGUFWriter(path, "llama")
+    n_vocab = len(tokenizer_keys["tokenizer.ggml.tokens"])
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(4)
+    writer.add_vocab_size(n_vocab)
+    for key, value in tokenizer_keys.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((n_vocab, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def sentencepiece_vocab(sp: Any) -> dict[str, Any]:
+    """Tokens, scores and token types of a SentencePiece model as llama.cpp's converter writes them."""
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        kinds = (sp.is_unknown(i), sp.is_control(i), sp.is_unused(i), sp.is_byte(i))
+        types.append(next((code for code, hit in zip((2, 3, 5, 6), kinds, strict=True) if hit), 1))
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+    }
+
+
+SPM_WORDS = (
+    "the quick brown fox jumps over lazy dog river stone light bright night sight running jumped".split()
+)
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model() -> Any:
+    """A tiny SentencePiece BPE model (400 pieces, byte fallback) trained here on generated text."""
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(SPM_WORDS, k=rng.randint(3, 12))) + rng.choice(".!?,") for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory, sentencepiece_model: Any) -> Path:
+    """A GGUF whose tokenizer is `sentencepiece_model` (tokenizer.ggml.model "llama")."""
+    directory = tmp_path_factory.mktemp("spm")
+    return write_tokenizer_gguf(directory / "tiny-spm.gguf", sentencepiece_vocab(sentencepiece_model))
+
+
+@pytest.fixture(scope="session")
+def gguf_writers() -> Any:
+    """The helpers above, for tests that write GGUFs of their own."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(write=write_tokenizer_gguf, sentencepiece_vocab=sentencepiece_vocab)

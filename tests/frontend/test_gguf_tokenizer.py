@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import io
-import random
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
-import sentencepiece as spm
 from transformers import AutoTokenizer
 
 from kiln.errors import ModelLoadError
@@ -126,40 +122,6 @@ def test_smollm_pre_tokenizer_splits_digits(smollm2_ours: Tokenizer) -> None:
 # --- small byte-level vocabularies, written in the test -------------------------------------------------
 
 
-def _write_gguf(path: Path, tokenizer_keys: dict[str, Any]) -> Path:
-    """A GGUF with just enough of a llama model around the given tokenizer metadata for transformers."""
-    writer = gguf.GGUFWriter(path, "llama")
-    n_vocab = len(tokenizer_keys["tokenizer.ggml.tokens"])
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(4)
-    writer.add_vocab_size(n_vocab)
-    for key, value in tokenizer_keys.items():
-        _add_key(writer, key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((n_vocab, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _add_key(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    else:
-        writer.add_array(key, value)
-
-
 def _byte_level_keys(pre: str, merges: list[str], extra: dict[str, int]) -> dict[str, Any]:
     """All 256 byte tokens, the merged tokens, then `extra` tokens of the given token types."""
     byte_tokens = [
@@ -185,14 +147,14 @@ _DIGIT_MERGES = ["3 4", "1 2", "12 3", "4 5", "45 6"]
 _EXTRA = {"<s>": 3, "</s>": 3, "<think>": 4}
 
 
-def _tiny_byte_level(tmp_path: Path, pre: str) -> Tokenizer:
-    path = _write_gguf(tmp_path / f"{pre}.gguf", _byte_level_keys(pre, _DIGIT_MERGES, _EXTRA))
+def _tiny_byte_level(gguf_writers: Any, tmp_path: Path, pre: str) -> Tokenizer:
+    path = gguf_writers.write(tmp_path / f"{pre}.gguf", _byte_level_keys(pre, _DIGIT_MERGES, _EXTRA))
     return _runtime(tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path)))
 
 
 @pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
-def test_every_pre_tokenizer_round_trips(tmp_path: Path, pre: str) -> None:
-    tokenizer = _tiny_byte_level(tmp_path, pre)
+def test_every_pre_tokenizer_round_trips(gguf_writers: Any, tmp_path: Path, pre: str) -> None:
+    tokenizer = _tiny_byte_level(gguf_writers, tmp_path, pre)
     text = MIXED_TEXT.replace("<|", "<").replace("|>", ">")
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
@@ -207,28 +169,30 @@ def test_every_pre_tokenizer_round_trips(tmp_path: Path, pre: str) -> None:
         ("smollm", ["1", "2", "3", "4", "5", "6"]),
     ],
 )
-def test_pre_tokenizer_decides_how_digits_merge(tmp_path: Path, pre: str, pieces: list[str]) -> None:
-    tokenizer = _tiny_byte_level(tmp_path, pre)
+def test_pre_tokenizer_decides_how_digits_merge(
+    gguf_writers: Any, tmp_path: Path, pre: str, pieces: list[str]
+) -> None:
+    tokenizer = _tiny_byte_level(gguf_writers, tmp_path, pre)
     ids = tokenizer.encode("123456", add_special_tokens=False)
     assert [tokenizer.id_to_token(i) for i in ids] == pieces
 
 
-def test_control_and_user_defined_tokens(tmp_path: Path) -> None:
-    tokenizer = _tiny_byte_level(tmp_path, "gpt-2")
+def test_control_and_user_defined_tokens(gguf_writers: Any, tmp_path: Path) -> None:
+    tokenizer = _tiny_byte_level(gguf_writers, tmp_path, "gpt-2")
     ids = tokenizer.encode("<s>a<think>b</s>")
     assert [tokenizer.id_to_token(i) for i in ids] == ["<s>", "a", "<think>", "b", "</s>"]
     assert tokenizer.decode(ids) == "a<think>b"  # control tokens are skipped, user-defined ones are text
 
 
-def test_eot_and_eom_tokens_end_generation(tmp_path: Path) -> None:
+def test_eot_and_eom_tokens_end_generation(gguf_writers: Any, tmp_path: Path) -> None:
     keys = {**_byte_level_keys("gpt-2", _DIGIT_MERGES, _EXTRA), "tokenizer.ggml.eot_token_id": 2}
     keys["tokenizer.ggml.eom_token_id"] = 1
-    path = _write_gguf(tmp_path / "eot.gguf", keys)
+    path = gguf_writers.write(tmp_path / "eot.gguf", keys)
     assert tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path)).eos_token_ids == (1, 2)
 
 
-def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "odd.gguf", _byte_level_keys("no-such-pre", [], {}))
+def test_unknown_pre_tokenizer_is_refused(gguf_writers: Any, tmp_path: Path) -> None:
+    path = gguf_writers.write(tmp_path / "odd.gguf", _byte_level_keys("no-such-pre", [], {}))
     with pytest.raises(ModelLoadError, match="no-such-pre") as raised:
         tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path))
     assert (
@@ -236,22 +200,21 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
     )
 
 
-def test_missing_merges_are_refused(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "no-merges.gguf", _byte_level_keys("gpt-2", [], {}))
+def test_missing_merges_are_refused(gguf_writers: Any, tmp_path: Path) -> None:
+    path = gguf_writers.write(tmp_path / "no-merges.gguf", _byte_level_keys("gpt-2", [], {}))
     with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.merges"):
         tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path))
 
 
-def test_unknown_tokenizer_model_is_refused(tmp_path: Path) -> None:
+def test_unknown_tokenizer_model_is_refused(gguf_writers: Any, tmp_path: Path) -> None:
     keys = {**_byte_level_keys("gpt-2", [], {}), "tokenizer.ggml.model": "bert"}
-    path = _write_gguf(tmp_path / "bert.gguf", keys)
+    path = gguf_writers.write(tmp_path / "bert.gguf", keys)
     with pytest.raises(ModelLoadError, match="'bert'"):
         tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path))
 
 
 # --- SentencePiece ("llama") vocabularies ---------------------------------------------------------------
 
-_WORDS = "the quick brown fox jumps over lazy dog river stone light bright night sight running jumped".split()
 SPM_TEXTS = [
     "the quick brown fox",
     "night  sight   bright  ",
@@ -262,51 +225,6 @@ SPM_TEXTS = [
 # `tokenizers`' Metaspace adds no `▁` to a text that starts with a space; SentencePiece adds one anyway.
 # transformers (and so we) follow `tokenizers`, so these differ from SentencePiece itself.
 SPM_LEADING_SPACE_TEXTS = ["  leading spaces", " "]
-
-
-def _sentencepiece_vocab(sp: spm.SentencePieceProcessor) -> dict[str, Any]:
-    """Tokens, scores and token types as llama.cpp's converter writes them."""
-    tokens, scores, types = [], [], []
-    for i in range(sp.get_piece_size()):
-        tokens.append(sp.id_to_piece(i))
-        scores.append(sp.get_score(i))
-        kinds = (sp.is_unknown(i), sp.is_control(i), sp.is_unused(i), sp.is_byte(i))
-        types.append(next((code for code, hit in zip((2, 3, 5, 6), kinds, strict=True) if hit), 1))
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": sp.bos_id(),
-        "tokenizer.ggml.eos_token_id": sp.eos_id(),
-        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
-    }
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_model() -> spm.SentencePieceProcessor:
-    rng = random.Random(0)
-    lines = [" ".join(rng.choices(_WORDS, k=rng.randint(3, 12))) + rng.choice(".!?,") for _ in range(2000)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=400,
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        num_threads=1,
-        minloglevel=2,
-    )
-    return spm.SentencePieceProcessor(model_proto=model.getvalue())
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory, sentencepiece_model: Any) -> Path:
-    directory = tmp_path_factory.mktemp("spm")
-    return _write_gguf(directory / "tiny-spm.gguf", _sentencepiece_vocab(sentencepiece_model))
 
 
 @pytest.fixture(scope="module")
@@ -348,9 +266,11 @@ def test_sentencepiece_encodes_like_sentencepiece(
     assert spm_ours.decode(expected) == sentencepiece_model.decode(expected)
 
 
-def test_sentencepiece_without_space_prefix(tmp_path: Path, sentencepiece_model: Any) -> None:
-    keys = {**_sentencepiece_vocab(sentencepiece_model), "tokenizer.ggml.add_space_prefix": False}
-    path = _write_gguf(tmp_path / "no-prefix.gguf", keys)
+def test_sentencepiece_without_space_prefix(
+    gguf_writers: Any, tmp_path: Path, sentencepiece_model: Any
+) -> None:
+    keys = {**gguf_writers.sentencepiece_vocab(sentencepiece_model), "tokenizer.ggml.add_space_prefix": False}
+    path = gguf_writers.write(tmp_path / "no-prefix.gguf", keys)
     tokenizer = _runtime(tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path)))
     ids = tokenizer.encode("night sight", add_special_tokens=False)
     assert not tokenizer.id_to_token(ids[0]).startswith("▁")

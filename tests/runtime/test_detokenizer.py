@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
-import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -283,72 +280,9 @@ SPM_TEXTS = [
 ]
 
 
-def _write_gguf(path: Path, tokenizer_keys: dict[str, Any]) -> Path:
-    """A GGUF with just enough of a llama model around the given tokenizer metadata."""
-    writer = gguf.GGUFWriter(path, "llama")
-    n_vocab = len(tokenizer_keys["tokenizer.ggml.tokens"])
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(4)
-    writer.add_vocab_size(n_vocab)
-    for key, value in tokenizer_keys.items():
-        if isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((n_vocab, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _sentencepiece_vocab(sp: spm.SentencePieceProcessor) -> dict[str, Any]:
-    """Tokens, scores and token types as llama.cpp's converter writes them."""
-    tokens, scores, types = [], [], []
-    for i in range(sp.get_piece_size()):
-        tokens.append(sp.id_to_piece(i))
-        scores.append(sp.get_score(i))
-        kinds = (sp.is_unknown(i), sp.is_control(i), sp.is_unused(i), sp.is_byte(i))
-        types.append(next((code for code, hit in zip((2, 3, 5, 6), kinds, strict=True) if hit), 1))
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": sp.bos_id(),
-        "tokenizer.ggml.eos_token_id": sp.eos_id(),
-        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
-    }
-
-
 @pytest.fixture(scope="module")
-def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    rng = random.Random(0)
-    lines = [" ".join(rng.choices(_WORDS, k=rng.randint(3, 12))) + rng.choice(".!?,") for _ in range(2000)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=400,
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        num_threads=1,
-        minloglevel=2,
-    )
-    vocab = _sentencepiece_vocab(spm.SentencePieceProcessor(model_proto=model.getvalue()))
-    path = _write_gguf(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf", vocab)
+def sentencepiece(sentencepiece_gguf: Path) -> Tokenizer:
+    path = sentencepiece_gguf
     return Tokenizer.from_dict(dataclasses.asdict(tokenizer_info_from_gguf(gguf.GGUFReader(path), str(path))))
 
 
