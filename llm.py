@@ -62,7 +62,20 @@ def cached_artifact(model: str, options: CompileOptions) -> Path:
         return folder
     logger.info("compiling %s into %s", model, folder)
     compile_model(model, [Target("cpu")], options, folder)
+    _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
     return folder
+
+
+CACHE_ENTRIES = 4
+
+
+def _evict_old_entries(cache: Path, keep: int) -> None:
+    """Keep the `keep` most recently compiled cache entries (each can be hundreds of MB)."""
+    import shutil
+
+    entries = [p for p in cache.iterdir() if is_artifact(p)]
+    for stale in sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_or_compile(model: str, options: CompileOptions | None = None) -> LoadedArtifact:
