@@ -40,12 +40,18 @@ serve: model
 bench: model
 	$(BIN)/python bench/reference.py
 
-# Peers in their own venv (llama.cpp is compiled from source for this CPU: several minutes), then one
-# side-by-side run on the same GGUF.
+# Peers in their own venv (llama.cpp is compiled from source: several minutes), then one side-by-side
+# run on the same GGUF. AVX-512 (VNNI, BF16) but no AMX: some VMs report AMX without enabling it, and
+# llama.cpp's AMX kernels then die with an illegal instruction.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(PEERS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check llama-cpp-python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check \
+		--no-cache-dir --force-reinstall --no-deps llama-cpp-python
+	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check llama-cpp-python
 	touch $@
 
 bench-peers: model $(PEERS)/.installed
