@@ -12,12 +12,13 @@ from kiln.ir.types import TensorType
 
 
 class GraphBuilder:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, first_id: int = 0) -> None:
+        """`first_id`: the number the first node output is named after (%first_id, then upwards)."""
         self.name = name
         self._inputs: list[Value] = []
         self._params: dict[str, Value] = {}
         self._nodes: list[Node] = []
-        self._next_id = 0
+        self.next_id = first_id
 
     def input(self, name: str, type_: TensorType) -> Value:
         value = Value(name, type_, ValueKind.INPUT)
@@ -51,8 +52,8 @@ class GraphBuilder:
             raise IRError(f"{where}: {err}") from None
         outputs = []
         for type_ in out_types:
-            outputs.append(Value(str(self._next_id), type_, ValueKind.NODE))
-            self._next_id += 1
+            outputs.append(Value(str(self.next_id), type_, ValueKind.NODE))
+            self.next_id += 1
         self._nodes.append(Node(op_name, tuple(inputs), tuple(outputs), attrs, source))
         return outputs
 

@@ -77,10 +77,9 @@ class Rewriter:
         source: str | None = None,
     ) -> list[Value]:
         """A new node; its inputs are remapped, its outputs named fresh and typed by the op's rule."""
-        builder = GraphBuilder("scratch")
-        builder._next_id = self._next_id
+        builder = GraphBuilder("scratch", first_id=self._next_id)
         outputs = builder.op(op, [self.value(v) for v in inputs], attrs=attrs, source=source)
-        self._next_id = builder._next_id
+        self._next_id = builder.next_id
         self._nodes.extend(builder.build(outputs).nodes)
         self.changed = True
         return outputs
