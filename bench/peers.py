@@ -85,7 +85,7 @@ def bench_kiln(model: str, prompt: list[int], decode_len: int, repeats: int, qua
                 first = time.perf_counter()
         end = time.perf_counter()
         assert first is not None
-        llm.engine.kv.pool._cached.clear()
+        llm.engine.kv.pool.reset_prefix_cache()
         runs.append((len(prompt) / (first - start), (decode_len - 1) / (end - first)))
     return _median_rates(runs)
 

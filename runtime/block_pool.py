@@ -98,6 +98,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their K/V, but nothing will hit them)."""
+        self._cached.clear()
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
