@@ -3,6 +3,7 @@ cli.py and llm.py import every layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -49,15 +50,17 @@ def gguf_blocks(source: ModelSource) -> dict[str, tuple[str, object]]:
 
 
 def runtime_tokenizer(source: ModelSource) -> Tokenizer:
-    info = source.tokenizer
-    return Tokenizer(
-        tokenizer_json=info.tokenizer_json,
-        chat_template=info.chat_template,
-        bos_token=info.bos_token,
-        eos_token=info.eos_token,
-        add_bos_token=info.add_bos_token,
-        eos_token_ids=tuple(dict.fromkeys([*info.eos_token_ids, *source.config.eos_token_ids])),
+    """The runtime tokenizer, stopping on the tokenizer's EOS ids and the model config's."""
+    merged = tuple(dict.fromkeys([*source.tokenizer.eos_token_ids, *source.config.eos_token_ids]))
+    return Tokenizer.from_dict(
+        dataclasses.asdict(dataclasses.replace(source.tokenizer, eos_token_ids=merged))
     )
+
+
+def pass_options(source: ModelSource, quantization: str | None, group_size: int, dtype: str) -> PassOptions:
+    """Pass options for `source`: the gguf quantization imports its GGUF blocks."""
+    blocks = gguf_blocks(source) if quantization == "gguf" else {}
+    return PassOptions(quantization=quantization, group_size=group_size, dtype=dtype, gguf_blocks=blocks)
 
 
 def build_reference(
@@ -76,12 +79,7 @@ def build_reference(
     dequantized = time.perf_counter()
     captured = capture_weights(source.config, weights)
     captured_at = time.perf_counter()
-    options = PassOptions(
-        quantization=quantization,
-        group_size=group_size,
-        dtype=dtype,
-        gguf_blocks=gguf_blocks(source) if quantization == "gguf" else {},
-    )
+    options = pass_options(source, quantization, group_size, dtype)
     captured_program = Program(captured.graph, captured.weights)
     program, report = PassManager(pipeline(opt_level, options)).run(captured_program, options)
     passes_done = time.perf_counter()

@@ -17,16 +17,16 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from kiln import __version__
+from kiln import __version__, build
 from kiln.backends.base import BackendError
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target
-from kiln.build import gguf_blocks, runtime_tokenizer
+from kiln.build import runtime_tokenizer
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 from kiln.frontend.pull import resolve_model
 from kiln.ir import Program
-from kiln.passes import PassManager, PassOptions, pipeline
+from kiln.passes import PassManager, pipeline
 from kiln.runtime import artifact as fmt
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
@@ -123,12 +123,7 @@ def compile_model(
     start = stage("load", start)
     captured = capture_weights(source.config, source.float_weights())
     start = stage("capture", start)
-    pass_options = PassOptions(
-        quantization=options.quantization,
-        group_size=options.group_size,
-        dtype=options.dtype,
-        gguf_blocks=gguf_blocks(source) if options.quantization == "gguf" else {},
-    )
+    pass_options = build.pass_options(source, options.quantization, options.group_size, options.dtype)
     passes = pipeline(options.opt_level, pass_options)
     program, _ = PassManager(passes).run(Program(captured.graph, captured.weights), pass_options)
     start = stage("passes", start)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -29,14 +30,7 @@ MESSAGES = [
 
 
 def _runtime(info: TokenizerInfo) -> Tokenizer:
-    return Tokenizer(
-        info.tokenizer_json,
-        info.chat_template,
-        info.bos_token,
-        info.eos_token,
-        info.add_bos_token,
-        info.eos_token_ids,
-    )
+    return Tokenizer.from_dict(dataclasses.asdict(info))
 
 
 @pytest.fixture(scope="module")
