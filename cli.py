@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -83,7 +84,7 @@ def _compile(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from kiln.backends.base import BackendError
+    from kiln.backends.base import BackendError, DeviceRequiredError
     from kiln.backends.targets import TargetError, parse_targets
     from kiln.compiler import CompileOptions, check_targets, compile_model
 
@@ -100,6 +101,8 @@ def _compile(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        tuning_logs=None if args.tuning_logs == "none" else Path(args.tuning_logs),
+        num_threads=args.num_threads,
     )
     show = not (args.quiet or args.json)
     stages = ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
@@ -110,7 +113,11 @@ def _compile(args: argparse.Namespace) -> int:
             bar = "#" * done + "." * (len(stages) - done)
             print(f"[{bar}] {stage:<24} {seconds:6.2f} s", file=sys.stderr, flush=True)
 
-    result = compile_model(args.model, targets, options, Path(args.output), progress)
+    try:
+        result = compile_model(args.model, targets, options, Path(args.output), progress)
+    except DeviceRequiredError as error:
+        written = ", ".join(error.written) or "nothing"
+        raise UsageError(f"{error} (kept for a builder that has one: {written})", hint=error.hint) from None
     manifest = result.manifest
     summary = {
         "artifact": str(result.path),
@@ -119,7 +126,7 @@ def _compile(args: argparse.Namespace) -> int:
             name: {
                 "backend": e["backend"],
                 "backend_version": e["backend_version"],
-                "kernels": "reference (torch)",
+                "kernels": e.get("kernels", {}),
             }
             for name, e in manifest["targets"].items()
         },
@@ -133,6 +140,12 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"{'target':<14}{'backend':<12}{'version':<16}files")
         for name, entry in manifest["targets"].items():
             print(f"{name:<14}{entry['backend']:<12}{entry['backend_version']:<16}{', '.join(entry['code'])}")
+        for name, entry in manifest["targets"].items():
+            origins: dict[str, list[str]] = {}
+            for kernel, origin in entry.get("kernels", {}).items():
+                origins.setdefault(origin, []).append(kernel)
+            for origin, names in sorted(origins.items()):
+                print(f"  {name} kernels {origin} ({len(names)}): {', '.join(sorted(names))}")
         total = sum(result.stage_seconds.values())
         print(f"wrote {result.path} ({summary['bytes']:,} bytes, {summary['files']} files) in {total:.1f} s")
     return 0
@@ -252,6 +265,10 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_tuning_logs() -> Path:
+    return Path(__file__).resolve().parent / "tuning_logs"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Compile LLMs ahead of time; run them.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -314,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
     compile_.add_argument("--max-model-len", type=int, default=None)
     compile_.add_argument("--max-num-seqs", type=int, default=16)
+    compile_.add_argument(
+        "--tuning-logs",
+        default=str(default_tuning_logs()),
+        help="MetaSchedule databases written by `kiln tune` (default: the repo's tuning_logs/); none: skip",
+    )
+    compile_.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads the artifact runs with (default: all)"
+    )
     compile_.add_argument("-o", "--output", required=True, help="the artifact folder to write")
     compile_.add_argument("--quiet", action="store_true", help="print nothing but errors")
     compile_.add_argument("--json", action="store_true", help="print a JSON summary (for CI logs)")

@@ -18,9 +18,9 @@ from typing import Any
 from safetensors.torch import save_file
 
 from kiln import __version__, build
-from kiln.backends.base import BackendError
+from kiln.backends.base import BackendError, CompileSettings, DeviceRequiredError
 from kiln.backends.registry import get_backend
-from kiln.backends.targets import Target
+from kiln.backends.targets import Target, mismatch
 from kiln.build import runtime_tokenizer
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
@@ -45,6 +45,8 @@ class CompileOptions:
     dtype: str = "f32"
     max_model_len: int | None = None
     max_num_seqs: int = 16
+    tuning_logs: Path | None = None
+    num_threads: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +104,18 @@ def _probe(
     save_file({"logits": logits.contiguous()}, str(folder / fmt.PROBE_FILE))
 
 
+def config_max_len(source: Any) -> int:
+    return int(source.config.max_position_embeddings)
+
+
+def _keep_partial(scratch: Path, out: Path) -> None:
+    """A backend stopped for want of a device: keep what it wrote (e.g. the ONNX for a GPU builder) at
+    `out`, without a manifest, since it is not a runnable artifact."""
+    if out.exists():
+        shutil.rmtree(out)
+    scratch.rename(out)
+
+
 def compile_model(
     model: str, targets: list[Target], options: CompileOptions, out: Path, progress: Progress | None = None
 ) -> CompileResult:
@@ -133,27 +147,44 @@ def compile_model(
     scratch.mkdir(parents=True)
     tokenizer = runtime_tokenizer(source)
     probe_ids = tokenizer.encode(PROBE_PROMPT)
+    max_model_len = min(options.max_model_len or config_max_len(source), config_max_len(source))
+    settings = CompileSettings(
+        max_num_seqs=options.max_num_seqs,
+        max_model_len=max_model_len,
+        tuning_logs=options.tuning_logs,
+        num_threads=options.num_threads,
+    )
     entries: dict[str, Any] = {}
+    kernels: dict[str, dict[str, str]] = {}
     for target in targets:
         folder = scratch / target.folder
-        files = backend.compile(program, target, folder)
+        try:
+            code = backend.compile(program, target, folder, settings)
+        except DeviceRequiredError:
+            _keep_partial(scratch, out)
+            raise
         weights_name = fmt.write_weights(scratch, program.weights)
-        _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
+        runs_here = mismatch(target) is None
+        if runs_here:
+            _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
         entries[target.name] = {
             "backend": backend.name,
             "backend_version": backend.version(),
             "target": target.name,
             "gpu_arch": target.gpu_arch,
             "folder": target.folder,
-            "code": sorted(files),
+            "code": sorted(code.files),
             "weights": weights_name,
             "cuda_graph_buckets": [],
+            **code.manifest,
+            "kernels": dict(sorted(code.kernels.items())),
             "probe": {
                 "token_ids": probe_ids,
-                "logits_file": f"{target.folder}/{fmt.PROBE_FILE}",
+                "logits_file": f"{target.folder}/{fmt.PROBE_FILE}" if runs_here else None,
                 "tolerance": PROBE_TOLERANCE,
             },
         }
+        kernels[target.name] = code.kernels
         start = stage(f"codegen {target.name}", start)
 
     config = source.config
@@ -174,12 +205,7 @@ def compile_model(
             },
             "tokenizer": tokenizer_fields,
             "compile": {**options.as_dict(), "passes": [p.name for p in passes]},
-            "limits": {
-                "max_model_len": min(
-                    options.max_model_len or config.max_position_embeddings, config.max_position_embeddings
-                ),
-                "max_num_seqs": options.max_num_seqs,
-            },
+            "limits": {"max_model_len": max_model_len, "max_num_seqs": options.max_num_seqs},
             "targets": entries,
         },
     )

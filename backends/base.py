@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -15,6 +15,35 @@ from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, StepInputs
 
 class BackendError(KilnError):
     """A backend cannot compile, load or run what it was given."""
+
+
+class DeviceRequiredError(BackendError):
+    """A build step needs hardware this machine lacks (e.g. a TensorRT engine needs a GPU of the target's
+    arch). Whatever the backend could do without it (files in `written`) is kept; the CLI exits 2."""
+
+    def __init__(self, message: str, *, written: list[str] | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.written = written or []
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """What a compiling backend may need beyond the program and the target."""
+
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    tuning_logs: Path | None = None  # the repo's tuning_logs/ (or another) folder; None: no tuning logs
+    num_threads: int | None = None  # CPU threads recorded for the runtime; None: all cores
+
+
+@dataclass
+class CompiledCode:
+    """What `Backend.compile` wrote: the files (relative to its folder), where each kernel's schedule came
+    from (name → "tuned" | "templated" | "default" | ...), and backend fields for the manifest."""
+
+    files: list[str]
+    kernels: dict[str, str] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -64,8 +93,15 @@ class Backend(Protocol):
         """Why this backend cannot build `target` here, or None."""
         ...
 
-    def compile(self, program: Program, target: Target, folder: Path) -> list[str]:
-        """Write the compiled code for `target` into `folder`; the file names written."""
+    def compile(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        """Write the compiled code for `target` into `folder`."""
         ...
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable: ...
+
+    def check_structure(self, folder: Path, target: Target) -> list[str]:
+        """Checks of the compiled files that need no device (e.g. the .so carries code for the arch):
+        one line per check passed; raise BackendError on a failed one."""
+        ...

@@ -1,21 +1,35 @@
-"""The backends by name. Names listed without a backend are planned and refused with a clear reason."""
+"""The backends by name, imported on first use (each pulls in its own compiler or runtime)."""
 
 from __future__ import annotations
 
-from kiln.backends.base import Backend, BackendError
-from kiln.backends.reference.backend import ReferenceBackend
+import importlib
 
-BACKEND_NAMES = ("reference", "tvm", "onnxruntime", "tensorrt")
-_AVAILABLE: dict[str, Backend] = {"reference": ReferenceBackend()}
+from kiln.backends.base import Backend, BackendError
+
+_BACKENDS = {
+    "reference": "kiln.backends.reference.backend:ReferenceBackend",
+    "tvm": "kiln.backends.tvm.backend:TVMBackend",
+    "onnxruntime": "kiln.backends.onnxruntime.backend:OnnxRuntimeBackend",
+    "tensorrt": "kiln.backends.tensorrt.backend:TensorRTBackend",
+}
+BACKEND_NAMES = tuple(_BACKENDS)
+_loaded: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    backend = _AVAILABLE.get(name)
-    if backend is not None:
-        return backend
-    if name in BACKEND_NAMES:
+    if name in _loaded:
+        return _loaded[name]
+    where = _BACKENDS.get(name)
+    if where is None:
+        raise BackendError(f"unknown backend {name!r}", hint=f"choose one of {', '.join(BACKEND_NAMES)}")
+    module_name, _, class_name = where.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
         raise BackendError(
-            f"backend {name} is not built yet in this version of kiln",
-            hint=f"available backends: {', '.join(_AVAILABLE)}",
-        )
-    raise BackendError(f"unknown backend {name!r}", hint=f"choose one of {', '.join(BACKEND_NAMES)}")
+            f"backend {name} cannot be imported here ({error})",
+            hint="install kiln with its dependencies (`make setup`)",
+        ) from None
+    backend: Backend = getattr(module, class_name)()
+    _loaded[name] = backend
+    return backend

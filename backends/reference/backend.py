@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.backends.base import BackendError, Executable
+from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable
 from kiln.backends.reference.executable import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Program, graph_from_json, graph_to_json
@@ -29,11 +29,17 @@ class ReferenceBackend:
             )
         return None
 
-    def compile(self, program: Program, target: Target, folder: Path) -> list[str]:
+    def compile(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
         folder.mkdir(parents=True, exist_ok=True)
         text = json.dumps(graph_to_json(program.graph), indent=1, sort_keys=True) + "\n"
         (folder / GRAPH_FILE).write_text(text)
-        return [GRAPH_FILE]
+        return CompiledCode([GRAPH_FILE], {"all ops": "torch reference"})
+
+    def check_structure(self, folder: Path, target: Target) -> list[str]:
+        graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
+        return [f"{GRAPH_FILE} parses as a graph"]
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         try:

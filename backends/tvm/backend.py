@@ -1,0 +1,121 @@
+"""The TVM backend: IR → Relax → a shared library per target, run by the TVM runtime alone.
+
+<target>/step.so     the compiled `step` (Relax VM executable and its kernels; no weights)
+<target>/step.json   the weight parameters and their layouts, the KV cache spec, target details
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable, KVCacheSpec
+from kiln.backends.targets import Target
+from kiln.backends.tvm.cpu_features import missing_features
+from kiln.backends.tvm.executable import TVMExecutable, kv_spec_from, set_threads
+from kiln.ir import Program
+
+LIBRARY = "step.so"
+DESCRIPTION = "step.json"
+
+
+def _kv_fields(program: Program) -> dict[str, Any]:
+    spec = KVCacheSpec.of_graph(program.graph)
+    dtype = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[spec.dtype]
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": dtype,
+    }
+
+
+class TVMBackend:
+    name = "tvm"
+
+    def version(self) -> str:
+        return f"tvm-{metadata.version('apache-tvm')}"
+
+    def unsupported(self, target: Target) -> str | None:
+        if target.kind == "cpu" and target.detail is not None:
+            from kiln.backends.tvm.cpu import is_valid_mcpu
+
+            if not is_valid_mcpu(target.detail):
+                return f"LLVM does not know the CPU {target.detail!r} (target {target.name})"
+        return None
+
+    def compile(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        folder.mkdir(parents=True, exist_ok=True)
+        if target.kind == "cuda":
+            from kiln.backends.tvm.cuda import compile_cuda
+
+            return compile_cuda(program, target, folder, settings)
+        from kiln.backends.tvm import cpu
+        from kiln.backends.tvm.lowering import lower_graph
+        from kiln.backends.tvm.tuning import apply_tuning_logs
+
+        lowered = lower_graph(program.graph, "cpu", cpu.schedule_cpu)
+        llvm = cpu.llvm_target(target, settings.num_threads)
+        module, origins = apply_tuning_logs(
+            lowered.module, llvm, settings.tuning_logs, lowered.kernel_origins
+        )
+        executable = cpu.build_cpu(module, llvm)
+        executable.export_library(str(folder / LIBRARY))
+        description = {
+            "device": "cpu",
+            "mcpu": cpu.target_mcpu(target),
+            "cpu_features": cpu.required_features(llvm),
+            "num_threads": settings.num_threads,
+            "params": [spec.to_dict() for spec in lowered.params],
+            "kv_cache": _kv_fields(program),
+        }
+        (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
+        return CompiledCode(
+            [LIBRARY, DESCRIPTION],
+            origins,
+            {"mcpu": description["mcpu"], "num_threads": settings.num_threads},
+        )
+
+    def _description(self, folder: Path) -> dict[str, Any]:
+        try:
+            return json.loads((folder / DESCRIPTION).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise BackendError(f"{folder / DESCRIPTION}: cannot read it ({error})") from None
+
+    def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
+        description = self._description(folder)
+        if description["device"] == "cpu":
+            missing = missing_features(description.get("cpu_features", []))
+            if missing:
+                raise BackendError(
+                    f"{folder}: compiled for CPU {description['mcpu']}, which has {', '.join(missing)}; this CPU "
+                    "does not",
+                    hint="compile for this machine (--target cpu) or an older CPU (--target cpu:x86-64-v3)",
+                )
+            set_threads(description.get("num_threads"))
+        return TVMExecutable(
+            folder / LIBRARY,
+            description["params"],
+            weights,
+            kv_spec_from(description["kv_cache"]),
+            description["device"],
+        )
+
+    def check_structure(self, folder: Path, target: Target) -> list[str]:
+        description = self._description(folder)
+        library = folder / LIBRARY
+        if not library.is_file() or library.read_bytes()[:4] != b"\x7fELF":
+            raise BackendError(f"{library}: not a shared library")
+        lines = [f"{LIBRARY} is an ELF shared library ({library.stat().st_size:,} bytes)"]
+        lines.append(f"{DESCRIPTION}: {len(description['params'])} weight parameters")
+        if target.kind == "cuda":
+            from kiln.backends.tvm.cuda import check_cuda_library
+
+            lines += check_cuda_library(library, target)
+        return lines

@@ -1,0 +1,126 @@
+"""Run a TVM artifact with the TVM runtime only (libtvm_runtime through tvm_ffi, no compiler library).
+
+The step's token rows and logits rows are padded to multiples of 4 here (padding tokens write no K/V
+and belong to no sequence); tensors cross into TVM by DLPack, without copies, and the KV cache is
+written in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.tvm.layouts import apply_layout
+from kiln.ir import DTYPES, StepInputs
+
+ROW_BLOCK = 4
+_DEVICE_TYPES = {"cpu": 1, "cuda": 2}
+_runtime_loaded = False
+
+
+def tvm_library_dir() -> Path:
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise BackendError(
+            "the TVM runtime is not installed", hint="pip install apache-tvm (see docs/tvm.md)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def load_runtime() -> Any:
+    """tvm_ffi with libtvm_runtime's VM registered; never loads libtvm_compiler."""
+    global _runtime_loaded
+    import tvm_ffi
+
+    if not _runtime_loaded:
+        ctypes.CDLL(str(tvm_library_dir() / "libtvm_runtime.so"), ctypes.RTLD_GLOBAL)
+        _runtime_loaded = True
+    return tvm_ffi
+
+
+def _pad_rows(tensor: torch.Tensor, fill: int, minimum: int = ROW_BLOCK) -> torch.Tensor:
+    rows = max(minimum, -(-tensor.shape[0] // ROW_BLOCK) * ROW_BLOCK)
+    if rows == tensor.shape[0]:
+        return tensor.reshape(-1, ROW_BLOCK)
+    padded = torch.full((rows,), fill, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    return padded.reshape(-1, ROW_BLOCK)
+
+
+class TVMExecutable:
+    def __init__(
+        self,
+        library: Path,
+        params: list[dict[str, Any]],
+        weights: dict[str, torch.Tensor],
+        kv_cache_spec: KVCacheSpec,
+        device: str = "cpu",
+    ) -> None:
+        ffi = load_runtime()
+        self.ffi = ffi
+        self.kv_cache_spec = kv_cache_spec
+        self.device = device
+        try:
+            module = ffi.load_module(str(library))
+        except Exception as error:
+            raise BackendError(f"{library}: the TVM runtime cannot load it ({error})") from None
+        self.vm = module["vm_load_executable"]()
+        device_type = _DEVICE_TYPES[device]
+        if device == "cpu":
+            self.vm["vm_initialization"](device_type, 0, 2)
+        else:
+            self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
+        self.function = self.vm["step"]
+        self._weights = [self._param(spec, weights) for spec in params]
+        self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
+
+    def _param(self, spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        source = weights.get(spec["source"])
+        if source is None:
+            raise BackendError(f"the artifact's weights have no {spec['source']}")
+        tensor = apply_layout(spec["transform"], source)
+        if list(tensor.shape) != spec["shape"] or tensor.dtype != getattr(torch, spec["dtype"]):
+            raise BackendError(
+                f"weight {spec['source']} ({spec['transform']}) is {tensor.dtype} {list(tensor.shape)}, "
+                f"the compiled code wants {spec['dtype']} {spec['shape']}"
+            )
+        return tensor.contiguous().to(self.device)
+
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        if kv_cache.dtype != self.kv_cache_spec.dtype:
+            raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
+        num_logits = inputs.logits_indices.shape[0]
+        args = [
+            _pad_rows(inputs.token_ids, 0),
+            _pad_rows(inputs.positions, 0),
+            _pad_rows(inputs.slot_mapping, -1),
+            inputs.block_tables.contiguous(),
+            inputs.seq_lens.contiguous(),
+            inputs.query_start_loc.contiguous(),
+            _pad_rows(inputs.logits_indices, 0),
+        ]
+        ffi = self.ffi
+        packed = [ffi.from_dlpack(a) for a in args] + [ffi.from_dlpack(kv_cache)]
+        logits = torch.from_dlpack(self.function(*packed, *self._weight_args))
+        return logits[:num_logits].to(torch.float32)
+
+
+def kv_spec_from(manifest: dict[str, Any]) -> KVCacheSpec:
+    return KVCacheSpec(
+        int(manifest["num_layers"]),
+        int(manifest["num_kv_heads"]),
+        int(manifest["head_dim"]),
+        DTYPES[manifest["dtype"]],
+    )
+
+
+def set_threads(num_threads: int | None) -> None:
+    """The TVM thread pool reads TVM_NUM_THREADS when it starts; a user's setting wins."""
+    if num_threads:
+        os.environ.setdefault("TVM_NUM_THREADS", str(num_threads))

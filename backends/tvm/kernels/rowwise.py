@@ -1,0 +1,100 @@
+"""Row-wise kernels as TE: RMSNorm (optionally after a residual add) and rotary embedding.
+
+Each is computed the way the reference computes it (float32 inside), and on the CPU scheduled with
+rows in parallel and the hidden dim vectorized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import s_tir, te, tirx
+
+from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, column_tile
+
+
+def rms_norm_kernel(hidden: int, eps: float, dtype: str, with_residual: bool) -> tirx.PrimFunc:
+    """(x[n, H], [residual[n, H]], weight[H]) -> normed[n, H] (, summed[n, H])."""
+    float_dtype = DTYPE_NAMES[dtype]
+    rows = tirx.Var("n", "int64")
+    x = te.placeholder((rows, hidden), float_dtype, name="x")
+    inputs = [x]
+    if with_residual:
+        residual = te.placeholder((rows, hidden), float_dtype, name="residual")
+        inputs.append(residual)
+        total = te.compute((rows, hidden), lambda i, j: x[i, j] + residual[i, j], name="total")
+    else:
+        total = x
+    weight = te.placeholder((hidden,), float_dtype, name="weight")
+    k = te.reduce_axis((0, hidden), name="k")
+    square_sum = te.compute(
+        (rows,),
+        lambda i: te.sum(total[i, k].astype("float32") * total[i, k].astype("float32"), axis=k),
+        name="square_sum",
+    )
+    normed = te.compute(
+        (rows, hidden),
+        lambda i, j: (
+            weight[j]
+            * (
+                total[i, j].astype("float32")
+                * tirx.rsqrt(square_sum[i] / tirx.const(hidden, "float32") + tirx.const(eps, "float32"))
+            ).astype(float_dtype)
+        ),
+        name="normed",
+    )
+    outputs = [normed, total] if with_residual else [normed]
+    return te.create_prim_func([*inputs, weight, *outputs])
+
+
+def schedule_rms_norm_cpu(func: tirx.PrimFunc, hidden: int, with_residual: bool) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    normed = sch.get_sblock("normed")
+    i, j = sch.get_loops(normed)
+    sch.parallel(i)
+    tile = column_tile(hidden)
+    if tile > 1:
+        _, inner = sch.split(j, [None, tile])
+        sch.vectorize(inner)
+    sch.compute_at(sch.get_sblock("square_sum"), i)
+    if with_residual:  # an output too, so a loop nest of its own
+        rows, columns = sch.get_loops(sch.get_sblock("total"))
+        sch.parallel(rows)
+        if tile > 1:
+            _, inner = sch.split(columns, [None, tile])
+            sch.vectorize(inner)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def rope_tables(head_dim: int, inv_freq: np.ndarray) -> np.ndarray:
+    """inv_freq repeated for both halves: the per-dim frequency [head_dim] float32."""
+    return np.concatenate([inv_freq, inv_freq]).astype(np.float32).reshape(head_dim)
+
+
+def rope_kernel(heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
+    """(x[n, heads, head_dim], positions[n], frequency[head_dim]) -> rotated x, "rotate half" layout."""
+    float_dtype = DTYPE_NAMES[dtype]
+    rows = tirx.Var("n", "int64")
+    x = te.placeholder((rows, heads, head_dim), float_dtype, name="x")
+    positions = te.placeholder((rows,), "int64", name="positions")
+    table = te.placeholder((head_dim,), "float32", name="frequency")
+    half = head_dim // 2
+    angle = te.compute((rows, head_dim), lambda i, d: positions[i].astype("float32") * table[d], name="angle")
+    out = te.compute(
+        (rows, heads, head_dim),
+        lambda i, h, d: (
+            x[i, h, d] * tirx.cos(angle[i, d]).astype(float_dtype)
+            + tirx.if_then_else(d < half, -x[i, h, d + half], x[i, h, d - half])
+            * tirx.sin(angle[i, d]).astype(float_dtype)
+        ),
+        name="rotated",
+    )
+    return te.create_prim_func([x, positions, table, out])
+
+
+def schedule_rope_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    rotated = sch.get_sblock("rotated")
+    i = sch.get_loops(rotated)[0]
+    sch.parallel(i)
+    sch.compute_at(sch.get_sblock("angle"), i)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)

@@ -1,0 +1,420 @@
+"""IR graph → one Relax function `step`, with one lowering per IR op.
+
+Signature of `step` (the executable pads the token rows and logits rows to multiples of 4, so the
+register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4):
+
+    step(token_ids[tq, 4], positions[tq, 4], slot_mapping[tq, 4], block_tables[B, MB], seq_lens[B],
+         query_start_loc[B1], logits_indices[lq, 4], kv_cache[layers, 2, NB, BS, kv_heads, head_dim],
+         *weights) -> logits[lq * 4, vocab]
+
+Weights are parameters (the library holds none), each in the layout its kernel reads (`ParamSpec`).
+An op without a lowering, or with attributes a lowering cannot take, fails naming the op and the
+model line it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tvm import relax, tirx
+
+from kiln.backends.base import BackendError
+from kiln.backends.tvm.kernels import attention as attention_kernels
+from kiln.backends.tvm.kernels import linear as linear_kernels
+from kiln.backends.tvm.kernels import rowwise
+from kiln.backends.tvm.layouts import int4_kn_transform
+from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
+from kiln.ir.ops.attention import rope_inv_freq
+
+ROW_BLOCK = linear_kernels.ROW_BLOCK
+PADDED_INPUTS = ("token_ids", "positions", "slot_mapping", "logits_indices")
+_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32"}
+_DTYPES |= {"u8": "uint8", "i8": "int8", "bool": "bool"}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A `step` parameter: IR weight `source` after layout `transform` (see layouts.py)."""
+
+    name: str
+    source: str
+    transform: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "transform": self.transform,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+        }
+
+
+KernelBuilder = Callable[[], tirx.PrimFunc]
+
+
+@dataclass
+class Lowerer:
+    """State while lowering one graph: the Relax builder, values, params and kernels made so far."""
+
+    graph: Graph
+    target_kind: str  # "cpu" | "cuda"
+    schedule: Callable[[str, tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str]]
+    builder: relax.BlockBuilder = field(default_factory=relax.BlockBuilder)
+    dims: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, relax.Expr] = field(default_factory=dict)
+    params: dict[tuple[str, str], relax.Var] = field(default_factory=dict)
+    param_specs: list[ParamSpec] = field(default_factory=list)
+    kernels: dict[tuple[Any, ...], relax.GlobalVar] = field(default_factory=dict)
+    kernel_origins: dict[str, str] = field(default_factory=dict)
+
+    def dim(self, dim: int | str) -> Any:
+        if isinstance(dim, int):
+            return dim
+        if dim not in self.dims:
+            self.dims[dim] = tirx.Var(dim, "int64")
+        return self.dims[dim]
+
+    def sinfo(self, tensor_type: TensorType) -> relax.TensorType:
+        return relax.TensorType([self.dim(d) for d in tensor_type.shape], _DTYPES[tensor_type.dtype])
+
+    def param(self, value: Value, transform: str = "none", shape: tuple[int, ...] | None = None) -> relax.Var:
+        key = (value.name, transform)
+        if key not in self.params:
+            given = tuple(int(d) for d in value.type.shape)  # params have fixed shapes
+            layout_shape = shape if shape is not None else given
+            dtype = _DTYPES[value.type.dtype]
+            name = f"w{len(self.param_specs)}"
+            self.params[key] = relax.Var(name, relax.TensorType(list(layout_shape), dtype))
+            self.param_specs.append(ParamSpec(name, value.name, transform, layout_shape, dtype))
+        return self.params[key]
+
+    def value(self, value: Value | None) -> relax.Expr:
+        assert value is not None
+        if value.kind.value == "param":
+            return self.param(value)
+        return self.values[value.name]
+
+    def kernel(
+        self, kind: str, key: tuple[Any, ...], make: KernelBuilder, info: dict[str, Any]
+    ) -> relax.GlobalVar:
+        full_key = (kind, *key)
+        if full_key not in self.kernels:
+            name = f"{kind}_{len(self.kernels)}"
+            func, origin = self.schedule(kind, make(), info)
+            func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)  # opaque: never refused
+            self.kernels[full_key] = self.builder.add_func(func, name)
+            self.kernel_origins[name] = origin
+        return self.kernels[full_key]
+
+    def emit(self, expr: relax.Expr) -> relax.Var:
+        return self.builder.emit(expr)
+
+
+Lowering = Callable[[Lowerer, Node], list[relax.Expr]]
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def lowering(op: str) -> Callable[[Lowering], Lowering]:
+    def register(function: Lowering) -> Lowering:
+        LOWERINGS[op] = function
+        return function
+
+    return register
+
+
+def _out_sinfo(lw: Lowerer, node: Node, index: int = 0) -> relax.TensorType:
+    return lw.sinfo(node.outputs[index].type)
+
+
+def _rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
+    """x[..., last] viewed as [q, 4, last]: the row count must be a padded one (T or L based)."""
+    leading = node.inputs[0].type.shape[:-1] if node.inputs[0] is not None else ()
+    if len(leading) != 1 or leading[0] not in ("T", "L"):
+        raise BackendError(
+            f"tvm: {node.op} lowers rows of a token- or logits-indexed tensor only, got "
+            f"{node.inputs[0].type.text() if node.inputs[0] else '?'}: {node.describe()}"
+        )
+    blocks = lw.dims["tq" if leading[0] == "T" else "lq"]
+    return lw.emit(relax.op.reshape(x, [blocks, ROW_BLOCK, last])), blocks
+
+
+@lowering("linear")
+def _linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    weight_value = node.inputs[1]
+    assert weight_value is not None and weight_value.kind.value == "param"
+    n, k = (int(d) for d in weight_value.type.shape)
+    dtype = weight_value.type.dtype
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    x3, blocks = _rows_of(lw, node, lw.value(node.inputs[0]), k)
+    weight = lw.param(weight_value, "kn", (k, n))
+    args = [x3, weight] + ([lw.value(node.inputs[2])] if has_bias else [])
+    kernel = lw.kernel(
+        "linear",
+        (k, n, dtype, has_bias),
+        lambda: linear_kernels.linear_kernel(k, n, dtype, None, has_bias),
+        {"k": k, "n": n, "quantized": False},
+    )
+    y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], _DTYPES[dtype])))
+    return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
+
+
+@lowering("quantized_linear")
+def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    x_value, qweight, scales, zeros = (node.inputs + (None, None))[:4]
+    bias = node.inputs[4] if len(node.inputs) > 4 else None
+    bits, group, scheme, packing = (node.attrs[a] for a in ("bits", "group_size", "scheme", "packing"))
+    supported = (bits == 4 and scheme in ("zero_point", "min")) or (bits == 8 and scheme == "symmetric")
+    if not supported:
+        raise BackendError(
+            f"tvm: quantized_linear with {bits} bits, scheme {scheme} has no kernel: {node.describe()}"
+        )
+    assert x_value is not None and qweight is not None and scales is not None
+    n = int(qweight.type.shape[0])
+    k = int(x_value.type.shape[-1])
+    dtype = x_value.type.dtype
+    if dtype != "f32" or scales.type.dtype != "f32":
+        raise BackendError(
+            f"tvm: quantized_linear takes float32 activations and scales here: {node.describe()}"
+        )
+    spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme))
+    x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
+    packed = (
+        lw.param(qweight, int4_kn_transform(str(packing)), (k // 2, n))
+        if bits == 4
+        else lw.param(qweight, "kn", (k, n))
+    )
+    args = [x3, packed, lw.param(scales, "kn", (k // group, n))]
+    if zeros is not None:
+        args.append(lw.param(zeros, "kn", (k // group, n)))
+    if bias is not None:
+        args.append(lw.value(bias))
+    kernel = lw.kernel(
+        "qlinear",
+        (k, n, bits, group, scheme, bias is not None),
+        lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
+        {"k": k, "n": n, "quantized": True},
+    )
+    y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
+    return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
+
+
+def _rms_norm_call(lw: Lowerer, node: Node, with_residual: bool) -> list[relax.Expr]:
+    x_value = node.inputs[0]
+    assert x_value is not None
+    if x_value.type.rank != 2:
+        raise BackendError(f"tvm: {node.op} lowers 2-D [rows, hidden] inputs: {node.describe()}")
+    hidden = int(x_value.type.shape[1])
+    dtype = x_value.type.dtype
+    eps = float(node.attrs["eps"])
+    kernel = lw.kernel(
+        "rms_norm",
+        (hidden, eps, dtype, with_residual),
+        lambda: rowwise.rms_norm_kernel(hidden, eps, dtype, with_residual),
+        {"hidden": hidden, "with_residual": with_residual},
+    )
+    args = [lw.value(v) for v in node.inputs]
+    outs = [_out_sinfo(lw, node, i) for i in range(len(node.outputs))]
+    call = lw.emit(relax.call_tir(kernel, args, outs if with_residual else outs[0]))
+    if not with_residual:
+        return [call]
+    return [lw.emit(relax.TupleGetItem(call, 0)), lw.emit(relax.TupleGetItem(call, 1))]
+
+
+@lowering("rms_norm")
+def _rms_norm(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return _rms_norm_call(lw, node, with_residual=False)
+
+
+@lowering("add_rms_norm")
+def _add_rms_norm(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return _rms_norm_call(lw, node, with_residual=True)
+
+
+def _rope_call(
+    lw: Lowerer, x: relax.Expr, x_type: TensorType, positions: relax.Expr, attrs: dict
+) -> relax.Expr:
+    heads, head_dim = int(x_type.shape[1]), int(x_type.shape[2])
+    inv_freq = rope_inv_freq(head_dim, **attrs).numpy()
+    table = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    kernel = lw.kernel(
+        "rope",
+        (heads, head_dim, x_type.dtype),
+        lambda: rowwise.rope_kernel(heads, head_dim, x_type.dtype),
+        {},
+    )
+    return lw.emit(relax.call_tir(kernel, [x, positions, relax.const(table)], lw.sinfo(x_type)))
+
+
+@lowering("rope")
+def _rope(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    x_value, positions = node.inputs
+    assert x_value is not None
+    return [_rope_call(lw, lw.value(x_value), x_value.type, lw.value(positions), dict(node.attrs))]
+
+
+@lowering("paged_attention")
+def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    q_value, k_value, v_value = node.inputs[:3]
+    assert q_value is not None and k_value is not None and v_value is not None
+    q, k, v = (lw.value(x) for x in (q_value, k_value, v_value))
+    cache, slots, tables, lens, starts = (lw.value(x) for x in node.inputs[3:8])
+    rope = node.attrs.get("rope")
+    if rope is not None:
+        positions = lw.value(node.inputs[8])
+        q = _rope_call(lw, q, q_value.type, positions, dict(rope))
+        k = _rope_call(lw, k, k_value.type, positions, dict(rope))
+    heads, head_dim = int(q_value.type.shape[1]), int(q_value.type.shape[2])
+    kv_heads = int(k_value.type.shape[1])
+    cache_type = node.inputs[3].type if node.inputs[3] is not None else None
+    assert cache_type is not None
+    dtype = _DTYPES[cache_type.dtype]
+    if _DTYPES[q_value.type.dtype] != dtype:
+        raise BackendError(f"tvm: paged_attention needs q and the cache in one dtype: {node.describe()}")
+    layer = relax.prim_value(tirx.IntImm("int64", int(node.attrs["layer"])))
+    write = lw.kernel(
+        "kv_write",
+        (kv_heads, head_dim, dtype),
+        lambda: attention_kernels.kv_write_kernel(kv_heads, head_dim, dtype),
+        {},
+    )
+    cache = lw.emit(
+        relax.op.call_tir_inplace(write, [k, v, cache, slots, layer], [2], [lw.sinfo(cache_type)])
+    )
+    lw.values[KV_CACHE_INPUT] = cache  # later layers read the cache after this layer's write
+    scale, window = float(node.attrs["scale"]), node.attrs.get("sliding_window")
+    attend = lw.kernel(
+        "attention",
+        (heads, kv_heads, head_dim, scale, window, dtype),
+        lambda: attention_kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype),
+        {},
+    )
+    out = relax.call_tir(attend, [q, cache, tables, lens, starts, layer], _out_sinfo(lw, node))
+    return [lw.emit(out)]
+
+
+@lowering("embedding")
+def _embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0))]
+
+
+@lowering("take_rows")
+def _take_rows(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0))]
+
+
+@lowering("reshape")
+def _reshape(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    shape = [lw.dim(d) for d in node.outputs[0].type.shape]
+    return [lw.emit(relax.op.reshape(lw.value(node.inputs[0]), shape))]
+
+
+@lowering("add")
+def _add(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.add(lw.value(node.inputs[0]), lw.value(node.inputs[1])))]
+
+
+@lowering("mul")
+def _mul(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.multiply(lw.value(node.inputs[0]), lw.value(node.inputs[1])))]
+
+
+@lowering("silu")
+def _silu(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.nn.silu(lw.value(node.inputs[0])))]
+
+
+@lowering("swiglu")
+def _swiglu(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    gate = lw.value(node.inputs[0])
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        up = lw.value(node.inputs[1])
+    else:
+        halves = lw.emit(relax.op.split(gate, 2, axis=-1))
+        gate, up = lw.emit(relax.TupleGetItem(halves, 0)), lw.emit(relax.TupleGetItem(halves, 1))
+    return [lw.emit(relax.op.multiply(relax.op.nn.silu(gate), up))]
+
+
+@lowering("split")
+def _split(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    sizes = [int(s) for s in node.attrs["sizes"]]
+    cuts = list(np.cumsum(sizes)[:-1].tolist())
+    pieces = lw.emit(relax.op.split(lw.value(node.inputs[0]), cuts, axis=-1))
+    return [lw.emit(relax.TupleGetItem(pieces, i)) for i in range(len(sizes))]
+
+
+@lowering("cast")
+def _cast(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.astype(lw.value(node.inputs[0]), _DTYPES[str(node.attrs["dtype"])]))]
+
+
+@lowering("transpose")
+def _transpose(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.permute_dims(lw.value(node.inputs[0]), [int(p) for p in node.attrs["perm"]]))]
+
+
+def unsupported_nodes(graph: Graph) -> list[str]:
+    """Why each node without a lowering cannot be lowered (the capability check)."""
+    return [
+        f"op {node.op} has no TVM lowering: {node.describe()}"
+        for node in graph.nodes
+        if node.op not in LOWERINGS
+    ]
+
+
+@dataclass
+class LoweredStep:
+    module: Any  # tvm.IRModule with the Relax function `step` and its kernels
+    params: list[ParamSpec]
+    kernel_origins: dict[str, str]
+
+
+def lower_graph(
+    graph: Graph,
+    target_kind: str,
+    schedule: Callable[[str, tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str]],
+) -> LoweredStep:
+    problems = unsupported_nodes(graph)
+    if problems:
+        raise BackendError(problems[0], hint="use the reference backend for this model, or add a lowering")
+    lw = Lowerer(graph, target_kind, schedule)
+    lw.dims["tq"] = tirx.Var("tq", "int64")
+    lw.dims["lq"] = tirx.Var("lq", "int64")
+    lw.dims["T"] = lw.dims["tq"] * ROW_BLOCK
+    lw.dims["L"] = lw.dims["lq"] * ROW_BLOCK
+    inputs: list[relax.Var] = []
+    for value in graph.inputs:
+        if value.name in PADDED_INPUTS:
+            blocks = lw.dims["lq" if value.name == "logits_indices" else "tq"]
+            var = relax.Var(value.name, relax.TensorType([blocks, ROW_BLOCK], "int64"))
+        else:
+            expected = STEP_INPUT_TYPES.get(value.name, value.type)
+            var = relax.Var(value.name, lw.sinfo(expected if value.name != KV_CACHE_INPUT else value.type))
+        inputs.append(var)
+    with lw.builder.function("step"):
+        with lw.builder.dataflow():
+            for value, var in zip(graph.inputs, inputs, strict=True):
+                if value.name in PADDED_INPUTS:
+                    flat = [lw.dims["L" if value.name == "logits_indices" else "T"]]
+                    lw.values[value.name] = lw.emit(relax.op.reshape(var, flat))
+                else:
+                    lw.values[value.name] = var
+            for node in graph.nodes:
+                try:
+                    results = LOWERINGS[node.op](lw, node)
+                except BackendError:
+                    raise
+                except Exception as error:  # a TVM error while lowering: name the node
+                    raise BackendError(f"tvm: cannot lower {node.describe()}: {error}") from None
+                for out, result in zip(node.outputs, results, strict=True):
+                    lw.values[out.name] = result
+            (output,) = graph.outputs
+            result = lw.builder.emit_output(lw.values[output.name])
+        params = [lw.params[(spec.source, spec.transform)] for spec in lw.param_specs]
+        lw.builder.emit_func_output(result, params=[*inputs, *params])
+    return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins)
