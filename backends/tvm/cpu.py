@@ -41,7 +41,7 @@ def llvm_target(target: Target, num_threads: int | None = None) -> tvm.target.Ta
 def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[tirx.PrimFunc, str]:
     """The hand-written CPU schedule template for a kiln kernel; (scheduled func, where it came from)."""
     if kind in ("linear", "qlinear"):
-        return linear_kernels.schedule_linear_cpu(func, info["n"], info["quantized"]), "templated"
+        return linear_kernels.schedule_linear_cpu(func, info["n"], info["quant"]), "templated"
     if kind == "rms_norm":
         return rowwise.schedule_rms_norm_cpu(func, info["hidden"], info["with_residual"]), "templated"
     if kind == "rope":

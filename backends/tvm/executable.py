@@ -20,6 +20,7 @@ from kiln.backends.tvm.layouts import apply_layout
 from kiln.ir import DTYPES, StepInputs
 
 ROW_BLOCK = 4
+ALIGNMENT = 64
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
 
@@ -42,6 +43,15 @@ def load_runtime() -> Any:
         ctypes.CDLL(str(tvm_library_dir() / "libtvm_runtime.so"), ctypes.RTLD_GLOBAL)
         _runtime_loaded = True
     return tvm_ffi
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The compiled kernels assume 64-byte aligned data (aligned vector loads); torch's allocator
+    gives that, but a view into a bigger buffer (weights read from one file) may not have it."""
+    tensor = tensor.contiguous()
+    if tensor.data_ptr() % ALIGNMENT:
+        tensor = tensor.clone()
+    return tensor
 
 
 def _pad_rows(tensor: torch.Tensor, fill: int, minimum: int = ROW_BLOCK) -> torch.Tensor:
@@ -90,7 +100,7 @@ class TVMExecutable:
                 f"weight {spec['source']} ({spec['transform']}) is {tensor.dtype} {list(tensor.shape)}, "
                 f"the compiled code wants {spec['dtype']} {spec['shape']}"
             )
-        return tensor.contiguous().to(self.device)
+        return aligned(tensor.to(self.device))
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         if kv_cache.dtype != self.kv_cache_spec.dtype:
@@ -100,13 +110,17 @@ class TVMExecutable:
             _pad_rows(inputs.token_ids, 0),
             _pad_rows(inputs.positions, 0),
             _pad_rows(inputs.slot_mapping, -1),
-            inputs.block_tables.contiguous(),
-            inputs.seq_lens.contiguous(),
-            inputs.query_start_loc.contiguous(),
+            aligned(inputs.block_tables),
+            aligned(inputs.seq_lens),
+            aligned(inputs.query_start_loc),
             _pad_rows(inputs.logits_indices, 0),
         ]
         ffi = self.ffi
-        packed = [ffi.from_dlpack(a) for a in args] + [ffi.from_dlpack(kv_cache)]
+        if kv_cache.data_ptr() % ALIGNMENT or not kv_cache.is_contiguous():
+            raise BackendError(
+                "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
+            )
+        packed = [ffi.from_dlpack(aligned(a)) for a in args] + [ffi.from_dlpack(kv_cache)]
         logits = torch.from_dlpack(self.function(*packed, *self._weight_args))
         return logits[:num_logits].to(torch.float32)
 

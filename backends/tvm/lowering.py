@@ -158,7 +158,7 @@ def _linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         "linear",
         (k, n, dtype, has_bias),
         lambda: linear_kernels.linear_kernel(k, n, dtype, None, has_bias),
-        {"k": k, "n": n, "quantized": False},
+        {"k": k, "n": n, "quant": None},
     )
     y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], _DTYPES[dtype])))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
@@ -178,11 +178,9 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     n = int(qweight.type.shape[0])
     k = int(x_value.type.shape[-1])
     dtype = x_value.type.dtype
-    if dtype != "f32" or scales.type.dtype != "f32":
-        raise BackendError(
-            f"tvm: quantized_linear takes float32 activations and scales here: {node.describe()}"
-        )
-    spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme))
+    if dtype != "f32":
+        raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
+    spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
     packed = (
         lw.param(qweight, int4_kn_transform(str(packing)), (k // 2, n))
@@ -196,9 +194,9 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         args.append(lw.value(bias))
     kernel = lw.kernel(
         "qlinear",
-        (k, n, bits, group, scheme, bias is not None),
+        (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
         lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
-        {"k": k, "n": n, "quantized": True},
+        {"k": k, "n": n, "quant": spec},
     )
     y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]

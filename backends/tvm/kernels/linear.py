@@ -22,6 +22,7 @@ class QuantSpec:
     bits: int
     group_size: int
     scheme: str  # symmetric | zero_point | min
+    scale_dtype: str = "f32"  # scales and zeros are stored in this dtype (GGUF: f16), used as float32
 
 
 def column_tile(n: int) -> int:
@@ -34,7 +35,9 @@ def column_tile(n: int) -> int:
 def _dequantized(spec: QuantSpec, k: int, n: int, dtype: str) -> tuple[list[te.Tensor], te.Tensor]:
     """Placeholders for the K-major quantized layout and the float weight [K, N] they stand for."""
     groups = k // spec.group_size
-    scales = te.placeholder((groups, n), dtype, name="scales")
+    stored = DTYPE_NAMES[spec.scale_dtype]
+    scale_input = te.placeholder((groups, n), stored, name="scales")
+    scales = te.compute((groups, n), lambda g, j: scale_input[g, j].astype(dtype), name="scales_f32")
     if spec.bits == 4:
         packed = te.placeholder((k // 2, n), "uint8", name="qweight")
 
@@ -54,8 +57,9 @@ def _dequantized(spec: QuantSpec, k: int, n: int, dtype: str) -> tuple[list[te.T
         weight = te.compute(
             (k, n), lambda kk, j: value(kk, j) * scales[kk // spec.group_size, j], name="dequantize"
         )
-        return [packed, scales], weight
-    zeros = te.placeholder((groups, n), dtype, name="zeros")
+        return [packed, scale_input], weight
+    zero_input = te.placeholder((groups, n), stored, name="zeros")
+    zeros = te.compute((groups, n), lambda g, j: zero_input[g, j].astype(dtype), name="zeros_f32")
     if spec.scheme == "zero_point":
         weight = te.compute(
             (k, n),
@@ -68,7 +72,7 @@ def _dequantized(spec: QuantSpec, k: int, n: int, dtype: str) -> tuple[list[te.T
             lambda kk, j: scales[kk // spec.group_size, j] * value(kk, j) + zeros[kk // spec.group_size, j],
             name="dequantize",
         )
-    return [packed, scales, zeros], weight
+    return [packed, scale_input, zero_input], weight
 
 
 def linear_kernel(
@@ -107,7 +111,7 @@ def linear_kernel(
     return func
 
 
-def schedule_linear_cpu(func: tirx.PrimFunc, n: int, quantized: bool) -> tirx.PrimFunc:
+def schedule_linear_cpu(func: tirx.PrimFunc, n: int, quant: QuantSpec | None) -> tirx.PrimFunc:
     """Columns in vector strips (parallel across cores), 4 rows x strip accumulated in registers."""
     sch = s_tir.Schedule(func)
     block = sch.get_sblock("linear")
@@ -119,20 +123,19 @@ def schedule_linear_cpu(func: tirx.PrimFunc, n: int, quantized: bool) -> tirx.Pr
     if tile > 1:
         sch.vectorize(ji)
     sch.unroll(b)
-    if quantized:
+    if quant is not None:
+        sch.compute_inline(sch.get_sblock("scales_f32"))
+        if quant.scheme != "symmetric":
+            sch.compute_inline(sch.get_sblock("zeros_f32"))
         weight_block = sch.get_sblock("dequantize")
         sch.compute_at(weight_block, k)
         inner = sch.get_loops(weight_block)[-1]
         if tile > 1:
             sch.vectorize(inner)
     write_back = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_inline(sch.get_sblock("out"))  # bias and cast happen on the way out of registers
     sch.reverse_compute_at(write_back, a)
-    sch.reverse_compute_at(sch.get_sblock("out"), a)
     sch.decompose_reduction(block, k)
     if tile > 1:
         sch.vectorize(sch.get_loops(write_back)[-1])
-    out_loops = sch.get_loops(sch.get_sblock("out"))
-    if tile > 1:
-        _, out_j = sch.split(out_loops[-1], [None, tile])
-        sch.vectorize(out_j)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
