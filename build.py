@@ -60,7 +60,14 @@ def runtime_tokenizer(source: ModelSource) -> Tokenizer:
 def pass_options(source: ModelSource, quantization: str | None, group_size: int, dtype: str) -> PassOptions:
     """Pass options for `source`: the gguf quantization imports its GGUF blocks."""
     blocks = gguf_blocks(source) if quantization == "gguf" else {}
-    return PassOptions(quantization=quantization, group_size=group_size, dtype=dtype, gguf_blocks=blocks)
+    # gguf: the LM head too, from the GGUF's own blocks (llama.cpp multiplies by them as well)
+    return PassOptions(
+        quantization=quantization,
+        group_size=group_size,
+        dtype=dtype,
+        gguf_blocks=blocks,
+        quantize_lm_head=quantization == "gguf",
+    )
 
 
 def build_reference(

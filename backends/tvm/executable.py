@@ -23,6 +23,7 @@ ROW_BLOCK = 4
 ALIGNMENT = 64
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
+_cuda_runtime_loaded = False
 
 
 def tvm_library_dir() -> Path:
@@ -43,6 +44,24 @@ def load_runtime() -> Any:
         ctypes.CDLL(str(tvm_library_dir() / "libtvm_runtime.so"), ctypes.RTLD_GLOBAL)
         _runtime_loaded = True
     return tvm_ffi
+
+
+def load_cuda_runtime() -> None:
+    """TVM's CUDA plugin (device API, loader of the fatbin in step.so); needs libcudart.so.13 and the
+    driver's libcuda.so.1 on the library path."""
+    global _cuda_runtime_loaded
+    load_runtime()
+    if _cuda_runtime_loaded:
+        return
+    try:
+        ctypes.CDLL(str(tvm_library_dir() / "libtvm_runtime_cuda.so"), ctypes.RTLD_GLOBAL)
+    except OSError as error:
+        raise BackendError(
+            f"TVM's CUDA runtime cannot load ({error})",
+            hint="a CUDA artifact needs an NVIDIA driver (libcuda.so.1) and the CUDA 13 runtime "
+            "(libcudart.so.13, e.g. pip install nvidia-cuda-runtime) on LD_LIBRARY_PATH; see docs/tvm.md",
+        ) from None
+    _cuda_runtime_loaded = True
 
 
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,7 +92,10 @@ class TVMExecutable:
         device: str = "cpu",
     ) -> None:
         ffi = load_runtime()
+        if device == "cuda":
+            load_cuda_runtime()
         self.ffi = ffi
+        self._device_caches: dict[int, torch.Tensor] = {}
         self.kv_cache_spec = kv_cache_spec
         self.device = device
         try:
@@ -120,9 +142,22 @@ class TVMExecutable:
             raise BackendError(
                 "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
             )
+        on_host = kv_cache.device.type == "cpu"
+        if self.device == "cuda":
+            args = [a.to(self.device, non_blocking=True) for a in args]
+            kv_cache = self._device_cache(kv_cache) if on_host else kv_cache
         packed = [ffi.from_dlpack(aligned(a)) for a in args] + [ffi.from_dlpack(kv_cache)]
-        logits = torch.from_dlpack(self.function(*packed, *self._weight_args))
-        return logits[:num_logits].to(torch.float32)
+        logits = torch.from_dlpack(self.function(*packed, *self._weight_args))[:num_logits]
+        return logits.to("cpu" if on_host else logits.device, torch.float32)
+
+    def _device_cache(self, host_cache: torch.Tensor) -> torch.Tensor:
+        """The runtime allocates the KV cache on the host; a CUDA step keeps its own device copy of each
+        such cache (zeros, like the host one, which is then left untouched). Callers that allocate the
+        cache on the GPU (`kv_cache_spec.allocate(..., device="cuda")`) skip this."""
+        key = host_cache.data_ptr()
+        if key not in self._device_caches:
+            self._device_caches[key] = torch.zeros_like(host_cache, device=self.device)
+        return self._device_caches[key]
 
 
 def kv_spec_from(manifest: dict[str, Any]) -> KVCacheSpec:

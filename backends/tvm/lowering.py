@@ -23,9 +23,10 @@ from tvm import relax, tirx
 
 from kiln.backends.base import BackendError
 from kiln.backends.tvm.kernels import attention as attention_kernels
+from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import linear as linear_kernels
 from kiln.backends.tvm.kernels import rowwise
-from kiln.backends.tvm.layouts import int4_kn_transform
+from kiln.backends.tvm.layouts import int4_tiled_transform, tiled_transform
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
 from kiln.ir.ops.attention import rope_inv_freq
 
@@ -152,7 +153,8 @@ def _linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     dtype = weight_value.type.dtype
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     x3, blocks = _rows_of(lw, node, lw.value(node.inputs[0]), k)
-    weight = lw.param(weight_value, "kn", (k, n))
+    tile = linear_kernels.column_tile(n)
+    weight = lw.param(weight_value, tiled_transform(tile), (n // tile, k, tile))
     args = [x3, weight] + ([lw.value(node.inputs[2])] if has_bias else [])
     kernel = lw.kernel(
         "linear",
@@ -182,14 +184,15 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
     spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
+    tile = linear_kernels.column_tile(n)
     packed = (
-        lw.param(qweight, int4_kn_transform(str(packing)), (k // 2, n))
+        lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
         if bits == 4
-        else lw.param(qweight, "kn", (k, n))
+        else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
     )
-    args = [x3, packed, lw.param(scales, "kn", (k // group, n))]
+    args = [x3, packed, lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))]
     if zeros is not None:
-        args.append(lw.param(zeros, "kn", (k // group, n)))
+        args.append(lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)))
     if bias is not None:
         args.append(lw.value(bias))
     kernel = lw.kernel(
@@ -275,10 +278,11 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     if _DTYPES[q_value.type.dtype] != dtype:
         raise BackendError(f"tvm: paged_attention needs q and the cache in one dtype: {node.describe()}")
     layer = relax.prim_value(tirx.IntImm("int64", int(node.attrs["layer"])))
+    kernels = attention_cuda_kernels if lw.target_kind == "cuda" else attention_kernels
     write = lw.kernel(
         "kv_write",
         (kv_heads, head_dim, dtype),
-        lambda: attention_kernels.kv_write_kernel(kv_heads, head_dim, dtype),
+        lambda: kernels.kv_write_kernel(kv_heads, head_dim, dtype),
         {},
     )
     cache = lw.emit(
@@ -289,7 +293,7 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     attend = lw.kernel(
         "attention",
         (heads, kv_heads, head_dim, scale, window, dtype),
-        lambda: attention_kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype),
+        lambda: kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype),
         {},
     )
     out = relax.call_tir(attend, [q, cache, tables, lens, starts, layer], _out_sinfo(lw, node))

@@ -35,31 +35,36 @@ def column_tile(n: int) -> int:
 def _dequantized(spec: QuantSpec, k: int, n: int, dtype: str) -> tuple[list[te.Tensor], te.Tensor]:
     """Placeholders for the K-major quantized layout and the float weight [K, N] they stand for."""
     groups = k // spec.group_size
+    tile = column_tile(n)
     stored = DTYPE_NAMES[spec.scale_dtype]
-    scale_input = te.placeholder((groups, n), stored, name="scales")
-    scales = te.compute((groups, n), lambda g, j: scale_input[g, j].astype(dtype), name="scales_f32")
+    scale_input = te.placeholder((n // tile, groups, tile), stored, name="scales")
+    scales = te.compute(
+        (groups, n), lambda g, j: scale_input[j // tile, g, j % tile].astype(dtype), name="scales_f32"
+    )
     if spec.bits == 4:
-        packed = te.placeholder((k // 2, n), "uint8", name="qweight")
+        packed = te.placeholder((n // tile, k // 2, tile), "uint8", name="qweight")
 
         def value(kk, j):
-            byte = packed[kk // 2, j]
+            byte = packed[j // tile, kk // 2, j % tile]
             return (
                 (byte >> (tirx.Cast("uint8", kk % 2) * tirx.const(4, "uint8"))) & tirx.const(15, "uint8")
             ).astype(dtype)
 
     else:
-        packed = te.placeholder((k, n), "int8", name="qweight")
+        packed = te.placeholder((n // tile, k, tile), "int8", name="qweight")
 
         def value(kk, j):
-            return packed[kk, j].astype(dtype)
+            return packed[j // tile, kk, j % tile].astype(dtype)
 
     if spec.scheme == "symmetric":
         weight = te.compute(
             (k, n), lambda kk, j: value(kk, j) * scales[kk // spec.group_size, j], name="dequantize"
         )
         return [packed, scale_input], weight
-    zero_input = te.placeholder((groups, n), stored, name="zeros")
-    zeros = te.compute((groups, n), lambda g, j: zero_input[g, j].astype(dtype), name="zeros_f32")
+    zero_input = te.placeholder((n // tile, groups, tile), stored, name="zeros")
+    zeros = te.compute(
+        (groups, n), lambda g, j: zero_input[j // tile, g, j % tile].astype(dtype), name="zeros_f32"
+    )
     if spec.scheme == "zero_point":
         weight = te.compute(
             (k, n),
@@ -83,8 +88,10 @@ def linear_kernel(
     rows = tirx.Var("q", "int64")
     x = te.placeholder((rows, ROW_BLOCK, k), float_dtype, name="x")
     if quant is None:
-        weight = te.placeholder((k, n), float_dtype, name="weight")
-        weight_args = [weight]
+        tile = column_tile(n)
+        strips = te.placeholder((n // tile, k, tile), float_dtype, name="weight")
+        weight = te.compute((k, n), lambda kk, j: strips[j // tile, kk, j % tile], name="weight_kn")
+        weight_args = [strips]
     else:
         weight_args, weight = _dequantized(quant, k, n, "float32")
     reduce = te.reduce_axis((0, k), name="k")
@@ -123,7 +130,9 @@ def schedule_linear_cpu(func: tirx.PrimFunc, n: int, quant: QuantSpec | None) ->
     if tile > 1:
         sch.vectorize(ji)
     sch.unroll(b)
-    if quant is not None:
+    if quant is None:
+        sch.compute_inline(sch.get_sblock("weight_kn"))
+    else:
         sch.compute_inline(sch.get_sblock("scales_f32"))
         if quant.scheme != "symmetric":
             sch.compute_inline(sch.get_sblock("zeros_f32"))

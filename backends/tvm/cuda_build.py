@@ -1,0 +1,239 @@
+"""The CUDA build of `step`, run as its own process: `python -m kiln.backends.tvm.cuda_build REQUEST.json`.
+
+Why a process of its own: TVM decides when it is imported whether its CUDA runtime plugin
+(libtvm_runtime_cuda.so, which needs libcuda.so.1) loads. Without it, TVM's CUDA codegen keeps the
+kernels as CUDA C source (compiled on the GPU box at load time, with nvcc or NVRTC there); with it,
+codegen calls `tvm_callback_cuda_compile` and embeds a fatbin. On a machine without a GPU driver,
+cuda.py starts this process with a libcuda stub (cudastub/stub.c, every call fails with
+CUDA_ERROR_NO_DEVICE) first on LD_LIBRARY_PATH, so the plugin loads and nvcc writes real device code.
+The parent process, which may already have imported TVM, is left untouched.
+
+The request names the IR graph (JSON; the build needs no weight values), the arch, whether to emit
+PTX next to the SASS and whether to let Relax capture CUDA graphs; this writes <out>/step.so and a
+result JSON (parameters, kernel origins, CUDA graph regions, timings).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.support import nvcc
+
+from kiln.backends.base import BackendError
+from kiln.backends.tvm.lowering import lower_graph
+from kiln.ir import graph_from_json
+
+CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
+LINEAR_COLUMNS = 32
+LINEAR_SPLIT_K = 8
+
+
+def gpu_rules() -> list[Any]:
+    return [
+        dl.gpu.Matmul(),
+        dl.gpu.GEMV(),
+        dl.gpu.LowBatchGEMV(),
+        dl.gpu.Reduction(),
+        dl.gpu.GeneralReduction(),
+        dl.gpu.Fallback(),
+    ]
+
+
+def schedule_linear_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """y[q, 4, N] = x @ W as split-K GEMV: a block per (row block, 32 columns), 32 x 8 threads; threadIdx.x
+    walks 32 adjacent columns (coalesced weight reads), threadIdx.y splits K in 8 and the 8 partial
+    sums meet in a cross-thread reduction; the 4 rows of a block run in turn (weights hot in L1).
+    Layout stages (weight_kn, dequantize) are inlined into the reduction."""
+    sch = s_tir.Schedule(func)
+    for name in ("weight_kn", "scales_f32", "zeros_f32", "dequantize"):
+        if _has_block(sch, name):
+            sch.compute_inline(sch.get_sblock(name))
+    block = sch.get_sblock("linear")
+    a, b, j, k = sch.get_loops(block)
+    jo, ji = sch.split(j, [None, LINEAR_COLUMNS])
+    ko, ki = sch.split(k, [None, LINEAR_SPLIT_K])
+    sch.reorder(a, jo, ji, b, ki, ko)
+    sch.bind(a, "blockIdx.y")
+    sch.bind(jo, "blockIdx.x")
+    sch.bind(ji, "threadIdx.x")
+    sch.bind(ki, "threadIdx.y")
+    out = sch.get_sblock("out")
+    outer, inner = sch.split(sch.fuse(*sch.get_loops(out)), [None, 256])
+    sch.bind(outer, "blockIdx.x")
+    sch.bind(inner, "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _has_block(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+    except Exception:  # tvm raises a plain error for an unknown block name
+        return False
+    return True
+
+
+def schedule_gpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[tirx.PrimFunc, str]:
+    """The GPU schedule of a kiln kernel: the split-K template for linear layers, dlight's GPU rules
+    (first that applies) for the row-wise TE kernels; attention / kv_write come scheduled.
+    Runs inside `with target:` (dlight reads the thread limits from the current target)."""
+    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+        return func, "hand-written TIR"
+    if kind in ("linear", "qlinear"):
+        return schedule_linear_gpu(func), "templated (GPU split-K)"
+    for rule in gpu_rules():
+        try:
+            scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
+        except Exception:  # a rule that matches the pattern but cannot schedule it: try the next
+            continue
+        if scheduled.attrs is not None and "tirx.is_scheduled" in scheduled.attrs:
+            return scheduled, f"dlight {type(rule).__name__}"
+    raise BackendError(
+        f"tvm: no dlight GPU rule schedules the {kind} kernel",
+        hint="add a GPU schedule for it in backends/tvm/cuda_build.py",
+    )
+
+
+def _register_nvcc(arch: str, ptx: bool, calls: list[dict[str, Any]]) -> None:
+    """nvcc → fatbin with SASS for `arch` (and its PTX, so newer GPUs can JIT it)."""
+    suffix = arch.removeprefix("sm_")
+    flags = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
+    if ptx:
+        flags += ["-gencode", f"arch=compute_{suffix},code=compute_{suffix}"]
+
+    @tvm_ffi.register_global_func("tvm_callback_cuda_compile", override=True)
+    def _compile(code: str) -> bytearray:
+        start = time.perf_counter()
+        binary = nvcc.compile_cuda(code, target_format="fatbin", arch=flags, compiler="nvcc")
+        calls.append({"seconds": time.perf_counter() - start, "bytes": len(binary), "flags": flags})
+        return binary
+
+
+def _capture_regions(module: tvm.IRModule) -> list[dict[str, Any]]:
+    """The functions RewriteCUDAGraph lifted out: what each captured region launches."""
+    regions = []
+    for global_var, func in module.functions.items():
+        name = global_var.name_hint
+        if not name.startswith("cuda_graph_capture"):
+            continue
+        calls: list[str] = []
+
+        def visit(expr: Any, calls: list[str] = calls) -> None:
+            if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+                calls.append(expr.args[0].name_hint)
+            elif isinstance(expr, relax.Call) and isinstance(expr.op, relax.GlobalVar):
+                calls.append(expr.op.name_hint)
+
+        relax.analysis.post_order_visit(func.body, visit) if isinstance(func, relax.Function) else None
+        regions.append({"function": name, "launches": calls})
+    return sorted(regions, key=lambda r: r["function"])
+
+
+def _launched_kernels(module: tvm.IRModule) -> set[str]:
+    """Names of the PrimFuncs the Relax functions call (reshapes that became views are not among them)."""
+    prim = {gv.name_hint for gv, func in module.functions.items() if isinstance(func, tirx.PrimFunc)}
+    called: set[str] = set()
+
+    def visit(expr: Any) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, relax.GlobalVar):
+            called.add(expr.op.name_hint)
+        elif isinstance(expr, relax.GlobalVar):
+            called.add(expr.name_hint)
+
+    for func in module.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    return called & prim
+
+
+def build(request: dict[str, Any]) -> dict[str, Any]:
+    arch, out = request["arch"], Path(request["out"])
+    if tvm_ffi.get_global_func("ffi.Module.create.cuda", allow_missing=True) is None:
+        raise BackendError(
+            "tvm: TVM's CUDA runtime plugin did not load (no libcuda.so.1), so the library would hold CUDA "
+            "source instead of device code",
+            hint="run this through kiln.backends.tvm.cuda.compile_cuda, which puts a libcuda stub first",
+        )
+    times: dict[str, float] = {}
+    nvcc_calls: list[dict[str, Any]] = []
+    _register_nvcc(arch, bool(request["ptx"]), nvcc_calls)
+    graph = graph_from_json(json.loads(Path(request["graph"]).read_text()))
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
+    use_graphs = bool(request["cuda_graph"])
+    start = time.perf_counter()
+    with target, tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: use_graphs}):
+        lowered = lower_graph(graph, "cuda", schedule_gpu)
+        times["lower_and_schedule_kernels"] = time.perf_counter() - start
+        start = time.perf_counter()
+        module = tvm.transform.Sequential(
+            [
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                dl.ApplyDefaultSchedule(*gpu_rules()),
+                relax.transform.RewriteDataflowReshape(),
+                relax.transform.ToNonDataflow(),
+                relax.transform.RemovePurityChecking(),
+                relax.transform.CallTIRRewrite(),
+                relax.transform.StaticPlanBlockMemory(),
+                relax.transform.RewriteCUDAGraph(),
+            ]
+        )(lowered.module)
+        regions = _capture_regions(module) if use_graphs else []
+        module = tvm.transform.Sequential(
+            [
+                relax.transform.LowerAllocTensor(),
+                relax.transform.KillAfterLastUse(),
+                relax.transform.LowerRuntimeBuiltin(),
+                relax.transform.ComputePrimValue(),
+                relax.transform.VMShapeLower(),
+                relax.transform.AttachGlobalSymbol(),
+            ]
+        )(module)
+        times["relax_pipeline"] = time.perf_counter() - start
+        fused = {
+            name: "dlight (fused Relax ops)"
+            for name in _launched_kernels(module)
+            if name not in lowered.kernel_origins and not name.startswith("shape_func")
+        }
+        start = time.perf_counter()
+        executable = tvm.compile(module, target=target, relax_pipeline=None)
+        times["codegen_and_nvcc"] = time.perf_counter() - start
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    executable.export_library(str(out / "step.so"))
+    times["export"] = time.perf_counter() - start
+    times["nvcc"] = sum(call["seconds"] for call in nvcc_calls)
+    if not nvcc_calls:
+        raise BackendError("tvm: the CUDA build never called nvcc, so step.so carries no device code")
+    return {
+        "params": [spec.to_dict() for spec in lowered.params],
+        "kernels": {**fused, **lowered.kernel_origins},
+        "cuda_graph_regions": regions,
+        "nvcc_flags": nvcc_calls[-1]["flags"],
+        "seconds": times,
+    }
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(Path(argv[0]).read_text())
+    try:
+        result = build(request)
+    except BackendError as error:
+        print(f"kiln cuda build: {error}" + (f" (hint: {error.hint})" if error.hint else ""), file=sys.stderr)
+        return 3
+    Path(request["result"]).write_text(json.dumps(result, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

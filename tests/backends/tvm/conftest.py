@@ -1,0 +1,37 @@
+"""TVM CPU executables of the shared test programs, compiled once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.backends.base import CompileSettings, Executable
+from kiln.backends.targets import Target
+from kiln.backends.tvm.backend import TVMBackend
+from kiln.ir import Program
+
+
+def compile_tvm_cpu(program: Program, folder: Path) -> Executable:
+    backend = TVMBackend()
+    backend.compile(program, Target("cpu"), folder, CompileSettings())
+    return backend.load(folder, program.weights, Target("cpu"))
+
+
+@pytest.fixture(scope="session")
+def tvm_compile():
+    return compile_tvm_cpu
+
+
+@pytest.fixture(scope="session")
+def smollm2_tvm(smollm2_o2, tmp_path_factory: pytest.TempPathFactory) -> Executable:
+    """SmolLM2 float32 at O2 on TVM-CPU."""
+    return compile_tvm_cpu(smollm2_o2.program, tmp_path_factory.mktemp("smollm2-tvm"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_1(smollm2_gguf_path: Path):
+    """SmolLM2 with its GGUF Q4_1 (and Q8_0 LM head) blocks imported, O2, on the reference backend."""
+    from kiln.build import build_reference
+
+    return build_reference(str(smollm2_gguf_path), opt_level=2, quantization="gguf")
