@@ -154,10 +154,35 @@ def _compile(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kiln.runtime.artifact import load_artifact, probe_logits
+    import torch
 
+    from kiln.runtime.artifact import (
+        check_structure,
+        load_artifact,
+        probe_logits,
+        read_manifest,
+        runnable_target,
+    )
+
+    if runnable_target(read_manifest(Path(args.artifact)), args.target) is None:
+        lines, reasons = check_structure(Path(args.artifact), args.target)
+        for line in lines:
+            print(f"  {line}")
+        print(
+            f"ok (structure only): {args.artifact}: checksums, schema, backend version and compiled code "
+            f"check out; did NOT run the probe, since no target fits this machine ({'; '.join(reasons)})"
+        )
+        return 0
     artifact = load_artifact(Path(args.artifact), target=args.target)
     now, recorded = probe_logits(artifact)
+    if recorded is None:
+        finite = bool(torch.isfinite(now).all())
+        print(
+            f"{'ok' if finite else 'kiln: verify failed'}: {artifact.path} ({artifact.target.name}): ran the "
+            f"probe ({'finite' if finite else 'NON-FINITE'} logits); no compile-time logits to compare with "
+            "(it was compiled on a machine that could not run it)"
+        )
+        return 0 if finite else 1
     error = float((now - recorded).abs().max() / recorded.abs().max())
     tolerance = float(artifact.target_entry["probe"]["tolerance"])
     if error > tolerance:

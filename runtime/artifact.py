@@ -178,6 +178,42 @@ def choose_target(manifest: dict[str, Any], wanted: str | None) -> Target:
     )
 
 
+def runnable_target(manifest: dict[str, Any], wanted: str | None) -> Target | None:
+    """The target `load_artifact` would pick on this machine, or None where none fits it."""
+    try:
+        return choose_target(manifest, wanted)
+    except ArtifactError:
+        return None
+
+
+def check_structure(folder: Path, wanted: str | None = None) -> tuple[list[str], list[str]]:
+    """The checks that need no device, for every target (or `wanted`): manifest, checksums, backend
+    version, the backend's check of its compiled files. (lines passed, why each target cannot run here);
+    raises ArtifactError / BackendError on a failed check."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    check_files(folder, manifest)
+    targets = manifest.get("targets") or {}
+    if wanted is not None and wanted not in targets:
+        raise ArtifactError(f"the artifact has no target {wanted}", hint=f"it has {', '.join(targets)}")
+    lines = [f"manifest schema {SCHEMA_VERSION}; {len(manifest.get('files', {}))} files match their sha256"]
+    reasons = []
+    for name in [wanted] if wanted is not None else list(targets):
+        entry, target = targets[name], Target.parse(name)
+        backend = get_backend(entry["backend"])
+        if backend.version() != entry["backend_version"]:
+            raise ArtifactError(
+                f"{folder}: {name} was built with {entry['backend']} {entry['backend_version']}, this "
+                f"machine has {backend.version()}",
+                hint="compile the model again here, or install the backend version it was built with",
+            )
+        lines += [f"{name}: {line}" for line in backend.check_structure(folder / target.folder, target)]
+        reason = mismatch(target)
+        if reason is not None:
+            reasons.append(f"{name}: {reason}")
+    return lines, reasons
+
+
 def load_artifact(folder: Path, target: str | None = None) -> LoadedArtifact:
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -203,7 +239,7 @@ def load_artifact(folder: Path, target: str | None = None) -> LoadedArtifact:
     return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields))
 
 
-def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits now, logits recorded at compile time) for the artifact's probe prompt."""
     from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
@@ -214,5 +250,7 @@ def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor]:
     cache = artifact.executable.kv_cache_spec.allocate(len(blocks) + 1, block_size)
     inputs = build_step_inputs([SequenceSlice(token_ids, 0, blocks)], block_size)
     now = artifact.executable.step(inputs, cache)[0]
+    if probe["logits_file"] is None:  # compiled where this target could not run: nothing recorded
+        return now, None
     recorded = load_file(str(artifact.path / probe["logits_file"]))["logits"]
     return now, recorded

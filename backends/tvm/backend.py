@@ -94,8 +94,8 @@ class TVMBackend:
             missing = missing_features(description.get("cpu_features", []))
             if missing:
                 raise BackendError(
-                    f"{folder}: compiled for CPU {description['mcpu']}, which has {', '.join(missing)}; this CPU "
-                    "does not",
+                    f"{folder}: compiled for CPU {description['mcpu']}, which has "
+                    f"{', '.join(missing)}; this CPU does not",
                     hint="compile for this machine (--target cpu) or an older CPU (--target cpu:x86-64-v3)",
                 )
             set_threads(description.get("num_threads"))

@@ -168,7 +168,7 @@ def _linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
 
 @lowering("quantized_linear")
 def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
-    x_value, qweight, scales, zeros = (node.inputs + (None, None))[:4]
+    x_value, qweight, scales, zeros = (*node.inputs, None, None)[:4]
     bias = node.inputs[4] if len(node.inputs) > 4 else None
     bits, group, scheme, packing = (node.attrs[a] for a in ("bits", "group_size", "scheme", "packing"))
     supported = (bits == 4 and scheme in ("zero_point", "min")) or (bits == 8 and scheme == "symmetric")
