@@ -46,7 +46,7 @@ def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
         return rowwise.schedule_rms_norm_cpu(func, info["hidden"], info["with_residual"]), "templated"
     if kind == "rope":
         return rowwise.schedule_rope_cpu(func), "templated"
-    return func, "hand-written TIR"  # attention and kv_write are written scheduled
+    return func, "hand-written TIR"  # attention, kv_write and qgemm are written scheduled
 
 
 def build_cpu(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:

@@ -25,6 +25,7 @@ from kiln.backends.base import BackendError
 from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import linear as linear_kernels
+from kiln.backends.tvm.kernels import quant_gemm
 from kiln.backends.tvm.kernels import rowwise
 from kiln.backends.tvm.layouts import int4_tiled_transform, tiled_transform
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
@@ -184,23 +185,47 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
     spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
-    tile = linear_kernels.column_tile(n)
+    group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
+    tile = group_tile or linear_kernels.column_tile(n)
     packed = (
         lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
         if bits == 4
         else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
     )
-    args = [x3, packed, lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))]
-    if zeros is not None:
-        args.append(lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)))
-    if bias is not None:
-        args.append(lw.value(bias))
-    kernel = lw.kernel(
-        "qlinear",
-        (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
-        lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
-        {"k": k, "n": n, "quant": spec},
+    scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
+    zero_param = (
+        lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)) if zeros is not None else None
     )
+    bias_arg = lw.value(bias) if bias is not None else None
+    if group_tile is not None:  # the hand-written kernel: fixed signature, unused inputs never read
+        unused_bias = relax.const(np.zeros(1, dtype=np.float32))
+        args = [
+            x3,
+            packed,
+            scale_param,
+            scale_param if zero_param is None else zero_param,
+            unused_bias if bias_arg is None else bias_arg,
+        ]
+        kernel = lw.kernel(
+            "qgemm",
+            (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
+            lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None),
+            {},
+        )
+    else:
+        args = [
+            x3,
+            packed,
+            scale_param,
+            *([zero_param] if zero_param else []),
+            *([bias_arg] if bias_arg else []),
+        ]
+        kernel = lw.kernel(
+            "qlinear",
+            (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
+            lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
+            {"k": k, "n": n, "quant": spec},
+        )
     y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
 

@@ -1,0 +1,130 @@
+"""Weight-only quantized linear on the CPU as hand-written TIR, the scale applied once per group.
+
+For each strip of `tile` output columns (parallel across cores) and each block of 4 rows:
+
+    part[b, j] = sum over the group's k of x[b, k] * q[k, j]          (raw 4- or 8-bit values)
+    acc[b, j] += scale[g, j] * part[b, j]  (+ min[g, j] * sum_k x[b, k], or - scale * zero * sum_k x)
+
+so the inner loop is: load a byte vector, split nibbles, convert, multiply-add into registers.
+This is the same sum as x @ dequantize(W).T with the multiplications regrouped (float rounding
+differs in the last bits). Layouts: see layouts.py (`int4_tiled`, `tiled`).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, QuantSpec
+
+QUANT_TILE = 32  # columns per strip: 4 rows x 32 floats of partial and total sums stay in registers
+
+
+def quant_tile(n: int, spec: QuantSpec) -> int | None:
+    """The strip width this kernel uses for N outputs, or None when it does not apply."""
+    if n % QUANT_TILE or spec.group_size % 2:
+        return None
+    if (spec.bits, spec.scheme) not in ((4, "min"), (4, "zero_point"), (8, "symmetric")):
+        return None
+    return QUANT_TILE
+
+
+def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.PrimFunc:
+    tile = QUANT_TILE
+    group = spec.group_size
+    groups = k // group
+    strips = n // tile
+    stored = DTYPE_NAMES[spec.scale_dtype]
+    four_bit = spec.bits == 4
+    packed_k = k // 2 if four_bit else k
+    packed_dtype = "uint8" if four_bit else "int8"
+    scheme = {"min": 0, "zero_point": 1, "symmetric": 2}[spec.scheme]
+    half = group // 2
+
+    @T.prim_func(s_tir=True)
+    def qgemm(
+        x_handle: T.handle,
+        w_handle: T.handle,
+        s_handle: T.handle,
+        z_handle: T.handle,
+        bias_handle: T.handle,
+        y_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        q = T.int64()
+        bias_len = T.int64()  # n with a bias; 1 (never read) without
+        x = T.match_buffer(x_handle, (q, 4, k), "float32")
+        w = T.match_buffer(w_handle, (strips, packed_k, tile), packed_dtype)
+        scales = T.match_buffer(s_handle, (strips, groups, tile), stored)
+        zeros = T.match_buffer(z_handle, (strips, groups, tile), stored)
+        bias = T.match_buffer(bias_handle, (bias_len,), "float32")
+        y = T.match_buffer(y_handle, (q, 4, n), "float32")
+        for jo in T.parallel(strips):
+            with T.sblock("strip"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((4, tile), "float32", scope="local")
+                part = T.sblock_alloc_buffer((4, tile), "float32", scope="local")
+                low = T.sblock_alloc_buffer((tile,), "float32", scope="local")
+                high = T.sblock_alloc_buffer((tile,), "float32", scope="local")
+                sums = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                for a in T.serial(q):
+                    for b in T.unroll(4):
+                        for lane in T.vectorized(tile):
+                            acc[b, lane] = T.float32(0)
+                    for g in T.serial(groups):
+                        for b in T.unroll(4):
+                            for lane in T.vectorized(tile):
+                                part[b, lane] = T.float32(0)
+                        if four_bit:
+                            for p in T.serial(half):
+                                for lane in T.vectorized(tile):
+                                    low[lane] = T.Cast("float32", w[jo, g * half + p, lane] & T.uint8(15))
+                                    high[lane] = T.Cast("float32", w[jo, g * half + p, lane] >> T.uint8(4))
+                                for b in T.unroll(4):
+                                    for lane in T.vectorized(tile):
+                                        part[b, lane] = (
+                                            part[b, lane]
+                                            + x[a, b, g * group + 2 * p] * low[lane]
+                                            + x[a, b, g * group + 2 * p + 1] * high[lane]
+                                        )
+                        else:
+                            for kk in T.serial(group):
+                                for lane in T.vectorized(tile):
+                                    low[lane] = T.Cast("float32", w[jo, g * group + kk, lane])
+                                for b in T.unroll(4):
+                                    for lane in T.vectorized(tile):
+                                        part[b, lane] = part[b, lane] + x[a, b, g * group + kk] * low[lane]
+                        if scheme == 2:
+                            for b in T.unroll(4):
+                                for lane in T.vectorized(tile):
+                                    acc[b, lane] = (
+                                        acc[b, lane] + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
+                                    )
+                        else:
+                            for b in T.unroll(4):
+                                sums[b] = T.float32(0)
+                                for kk in T.serial(group):
+                                    sums[b] = sums[b] + x[a, b, g * group + kk]
+                            if scheme == 0:
+                                for b in T.unroll(4):
+                                    for lane in T.vectorized(tile):
+                                        acc[b, lane] = (
+                                            acc[b, lane]
+                                            + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
+                                            + T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                        )
+                            else:
+                                for b in T.unroll(4):
+                                    for lane in T.vectorized(tile):
+                                        acc[b, lane] = acc[b, lane] + T.Cast(
+                                            "float32", scales[jo, g, lane]
+                                        ) * (part[b, lane] - T.Cast("float32", zeros[jo, g, lane]) * sums[b])
+                    for b in T.unroll(4):
+                        for lane in T.vectorized(tile):
+                            if has_bias:
+                                y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
+                            else:
+                                y[a, b, jo * tile + lane] = acc[b, lane]
+
+    return qgemm

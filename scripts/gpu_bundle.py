@@ -1,0 +1,243 @@
+"""Bundle what a GPU machine needs to check kiln's CUDA code, and the check itself.
+
+    python scripts/gpu_bundle.py bundle OUT [--arch sm_90]   (here, no GPU needed: nvcc + the libcuda stub)
+    python scripts/gpu_bundle.py check OUT                   (on the GPU box; scripts/gpu_check.sh wraps it)
+
+The bundle holds no weights: both sides make the same SmolLM2-135M-shaped float32 weights from a fixed
+seed (config-only program: SmolLM2's config, random weights), so it stays small (a few MB):
+
+    OUT/bundle.json            model config, seed, arch, the build's figures
+    OUT/graphs/step.so|json    the step compiled with Relax CUDA-graph rewriting on
+    OUT/nographs/step.so|json  the same, rewriting off
+
+Assumptions on the GPU box: this repo checked out (kiln importable: `pip install -e .` or PYTHONPATH
+at its parent with the folder named kiln), Python with torch (CUDA build), apache-tvm==0.27.0.post1 and
+apache-tvm-ffi==0.1.14.post1 (the runtime libs libtvm_runtime.so and libtvm_runtime_cuda.so come from that
+wheel), an NVIDIA driver for CUDA 13 (>= 580) and libcudart.so.13 on the library path.
+
+The check: logits of the CUDA step vs kiln's reference interpreter (float32, on the CPU) for a prefill
+of two sequences and a decode step (max |diff| / max |ref| <= TOLERANCE), then decode tokens/s at
+batch 1, 16, 64 with and without CUDA graphs, next to the HBM floor (weight bytes per step / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 1234
+WEIGHT_SCALE = 0.02
+TOLERANCE = 1e-3  # float32 both sides; only the summation order differs
+BATCHES = (1, 16, 64)
+CONTEXT = 128  # tokens already in each sequence's cache when decode is timed
+DECODE_STEPS = 32
+BLOCK_SIZE = 16
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # vendor peak figures
+
+SMOLLM2_135M = {
+    "architecture": "LlamaForCausalLM",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+
+
+def fail(message: str) -> None:
+    print(f"gpu_check: FAILED: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def make_program(config_fields: dict[str, Any], seed: int) -> Any:
+    """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
+    from kiln.frontend.capture import capture_weights
+    from kiln.frontend.config import ModelConfig
+    from kiln.frontend.models import model_class
+    from kiln.ir import Program
+    from kiln.passes import PassManager, PassOptions, pipeline
+
+    config = ModelConfig(**config_fields)
+    with torch.device("meta"):
+        shapes = model_class(config)(config).state_dict()
+    generator = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.randn(t.shape, generator=generator) * WEIGHT_SCALE for name, t in sorted(shapes.items())
+    }
+    for name, tensor in weights.items():
+        if name.endswith("norm.weight"):
+            tensor.add_(1.0)  # norms near 1, as in trained models
+    captured = capture_weights(config, weights)
+    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
+    return program
+
+
+def bundle(out: Path, arch: str) -> None:
+    from kiln.backends.base import CompileSettings
+    from kiln.backends.targets import Target
+    from kiln.backends.tvm.cuda import compile_cuda
+
+    out.mkdir(parents=True, exist_ok=True)
+    program = make_program(SMOLLM2_135M, SEED)
+    figures = {}
+    for name, graphs in (("graphs", True), ("nographs", False)):
+        start = time.perf_counter()
+        code = compile_cuda(program, Target("cuda", arch), out / name, CompileSettings(), cuda_graph=graphs)
+        figures[name] = {
+            "compile_s": round(time.perf_counter() - start, 1),
+            "step_so_bytes": (out / name / "step.so").stat().st_size,
+            "device_code": code.manifest["device_code"],
+            "cuda_graph": code.manifest["cuda_graph"],
+        }
+        print(f"{name}: {figures[name]}")
+    info = {
+        "config": SMOLLM2_135M,
+        "seed": SEED,
+        "weight_scale": WEIGHT_SCALE,
+        "arch": arch,
+        "build": figures,
+    }
+    (out / "bundle.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(
+        f"wrote {out} ({total:,} bytes); copy it and the repo to the GPU box, run scripts/gpu_check.sh {out}"
+    )
+
+
+def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
+    from kiln.backends.tvm.executable import TVMExecutable, kv_spec_from
+
+    description = json.loads((folder / "step.json").read_text())
+    if description["device"] != "cuda":
+        fail(f"{folder}/step.json is not a CUDA build")
+    return TVMExecutable(
+        folder / "step.so", description["params"], weights, kv_spec_from(description["kv_cache"]), "cuda"
+    )
+
+
+def check_logits(executable: Any, program: Any) -> float:
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    reference = ReferenceExecutable(program.graph, program.weights)
+    prompts = [
+        [1, 17, 300, 4000, 5, 99, 12345, 7, 8],
+        [2, 33, 44, 555, 6666, 7777, 10, 11, 12, 13, 14, 15, 16, 17],
+    ]
+    tables = [[1, 2], [3, 4]]
+    host_cache = reference.kv_cache_spec.allocate(8, BLOCK_SIZE)
+    device_cache = executable.kv_cache_spec.allocate(8, BLOCK_SIZE, device="cuda")
+    worst = 0.0
+    steps = [
+        [SequenceSlice(p, 0, t) for p, t in zip(prompts, tables, strict=True)],  # prefill
+        [SequenceSlice([42], len(p), t) for p, t in zip(prompts, tables, strict=True)],  # decode
+    ]
+    for number, slices in enumerate(steps):
+        inputs = build_step_inputs(slices, BLOCK_SIZE)
+        expected = reference.step(inputs, host_cache)
+        got = executable.step(inputs, device_cache).cpu()
+        if not torch.isfinite(got).all():
+            fail(f"step {number}: the CUDA logits are not finite")
+        error = float((got - expected).abs().max() / expected.abs().max())
+        kind = "prefill" if number == 0 else "decode"
+        print(f"  step {number} ({kind}): max |diff| / max |ref| = {error:.3g}")
+        worst = max(worst, error)
+    return worst
+
+
+def decode_tokens_per_s(executable: Any, batch: int) -> float:
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    blocks_per_seq = -(-(CONTEXT + DECODE_STEPS + 1) // BLOCK_SIZE)
+    cache = executable.kv_cache_spec.allocate(batch * blocks_per_seq + 1, BLOCK_SIZE, device="cuda")
+    tables = [list(range(1 + s * blocks_per_seq, 1 + (s + 1) * blocks_per_seq)) for s in range(batch)]
+    prefill = [
+        SequenceSlice([(s * 7 + i) % 1000 + 1 for i in range(CONTEXT)], 0, tables[s]) for s in range(batch)
+    ]
+    executable.step(build_step_inputs(prefill, BLOCK_SIZE), cache)
+    steps = [
+        build_step_inputs([SequenceSlice([5], CONTEXT + i, tables[s]) for s in range(batch)], BLOCK_SIZE)
+        for i in range(DECODE_STEPS)
+    ]
+    executable.step(steps[0], cache)  # warm-up (and CUDA graph capture, if any)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for inputs in steps:
+        executable.step(inputs, cache)
+    torch.cuda.synchronize()
+    return batch * DECODE_STEPS / (time.perf_counter() - start)
+
+
+def hbm_bandwidth() -> tuple[float, str]:
+    name = torch.cuda.get_device_name(0)
+    for key, value in HBM_BYTES_PER_S.items():
+        if key in name:
+            return value, f"{name}: {value / 1e12:.2f} TB/s (vendor peak)"
+    return HBM_BYTES_PER_S["H200"], f"{name}: unknown, assuming the H200's 4.8 TB/s"
+
+
+def check(out: Path) -> None:
+    if not torch.cuda.is_available():
+        fail("torch sees no CUDA GPU")
+    info = json.loads((out / "bundle.json").read_text())
+    major, minor = torch.cuda.get_device_capability(0)
+    here = f"sm_{major}{minor}"
+    if here != info["arch"]:
+        fail(
+            f"the bundle is compiled for {info['arch']}, this GPU is {here} ({torch.cuda.get_device_name(0)})"
+        )
+    program = make_program(info["config"], info["seed"])
+    weights = dict(program.weights)
+    bandwidth, described = hbm_bandwidth()
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "arch": here, "tolerance": TOLERANCE}
+    for name in ("nographs", "graphs"):
+        print(f"{name}: loading {out / name / 'step.so'}")
+        executable = _load(out / name, weights)
+        error = check_logits(executable, program)
+        if error > TOLERANCE:
+            fail(f"{name}: CUDA logits differ from the reference by {error:.3g} (tolerance {TOLERANCE:g})")
+        speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
+        results[name] = {"max_rel_error": error, "decode_tokens_per_s": speeds}
+        for batch, speed in speeds.items():
+            floor_s = weight_bytes / bandwidth
+            print(
+                f"  decode batch {batch:>3}: {speed:10.1f} tokens/s  ({batch / speed * 1e3:.2f} ms/step; "
+                f"HBM floor {floor_s * 1e3:.3f} ms/step = {batch / floor_s:,.0f} tokens/s)"
+            )
+        del executable
+        torch.cuda.empty_cache()
+    results["hbm"] = {"weight_bytes_per_step": weight_bytes, "bandwidth": described}
+    print(f"HBM floor: {weight_bytes / 1e6:.1f} MB of weights read per decode step; {described}")
+    (out / "gpu_check_result.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"gpu_check: OK (logits within {TOLERANCE:g}); results in {out / 'gpu_check_result.json'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", choices=["bundle", "check"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", default="sm_90")
+    args = parser.parse_args()
+    if args.mode == "bundle":
+        bundle(args.out, args.arch)
+    else:
+        check(args.out)
+
+
+if __name__ == "__main__":
+    main()

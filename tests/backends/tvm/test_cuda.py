@@ -1,0 +1,217 @@
+"""CUDA targets of the TVM backend, cross-compiled on a machine without a GPU: the compiled step.so carries
+a cubin for its own arch (and no other), `kiln verify` checks the structure and says it did not run,
+loading on a machine whose GPU differs is refused. Running the code needs a GPU (the `gpu` test)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.backends.base import BackendError, CompileSettings
+from kiln.backends.targets import Target, host_gpu_arch
+from kiln.backends.tvm import cuda
+from kiln.frontend.config import ModelConfig
+from kiln.ir import Program
+
+TINY_CONFIG = ModelConfig(  # the tiny Llama of tests/runtime/conftest.py
+    architecture="LlamaForCausalLM",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+
+
+def _has_nvcc() -> bool:
+    try:
+        cuda.find_nvcc()
+    except BackendError:
+        return False
+    return True
+
+
+needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="CUDA targets need nvcc (the CUDA toolkit)")
+
+
+def tiny_program() -> Program:
+    from kiln.frontend.capture import capture_weights
+    from kiln.frontend.models import model_class
+    from kiln.passes import PassManager, PassOptions, pipeline
+
+    with torch.device("meta"):
+        shapes = model_class(TINY_CONFIG)(TINY_CONFIG).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
+    captured = capture_weights(TINY_CONFIG, weights)
+    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
+    return program
+
+
+@pytest.fixture(scope="module")
+def tiny_builds(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    program = tiny_program()
+    builds = {}
+    for arch in ("sm_87", "sm_90"):
+        folder = tmp_path_factory.mktemp("tiny") / arch
+        builds[arch] = (folder, cuda.compile_cuda(program, Target("cuda", arch), folder, CompileSettings()))
+    return builds
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch,other", [("sm_87", "sm_90"), ("sm_90", "sm_87")])
+def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other: str) -> None:
+    folder, _ = tiny_builds[arch]
+    library = folder / cuda.LIBRARY
+    lines = cuda.check_cuda_library(library, Target("cuda", arch))
+    assert lines[0].startswith(f"step.so carries a cubin for {arch}")
+    assert any(f"PTX for compute_{arch[3:]}" in line for line in lines)
+    entries = cuda.fatbin_entries(library.read_bytes())
+    assert {(e.kind, e.arch) for e in entries} == {("cubin", arch), ("ptx", arch)}
+    with pytest.raises(BackendError, match=f"no cubin for {other}.*cubins for {arch}"):
+        cuda.check_cuda_library(library, Target("cuda", other))
+
+
+@needs_nvcc
+def test_step_json_and_kernel_origins(tiny_builds) -> None:
+    folder, code = tiny_builds["sm_90"]
+    description = json.loads((folder / cuda.DESCRIPTION).read_text())
+    assert description["device"] == "cuda" and description["gpu_arch"] == "sm_90"
+    assert description["kv_cache"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "f32"}
+    assert description["params"] and description["cuda_graph"]["enabled"] is True
+    origins = code.kernels
+    assert {origins[k] for k in origins if k.startswith(("attention", "kv_write"))} == {"hand-written TIR"}
+    assert all(origins[k] == "templated (GPU split-K)" for k in origins if k.startswith("linear"))
+    assert code.manifest["gpu_arch"] == "sm_90" and code.files == [cuda.LIBRARY, cuda.DESCRIPTION]
+
+
+def test_a_library_without_device_code_is_refused(tmp_path: Path) -> None:
+    library = tmp_path / "step.so"
+    library.write_bytes(b"\x7fELF" + bytes(60) + b'extern "C" __global__ void k() {}')
+    with pytest.raises(BackendError, match=r"no cubin for sm_90.*CUDA source only"):
+        cuda.check_cuda_library(library, Target("cuda", "sm_90"))
+
+
+def test_gpu_attention_kernels_lower_for_gqa_window_and_f16() -> None:
+    """CUDA codegen (no nvcc, no GPU) of the attention variants the SmolLM2 build does not cover."""
+    import tvm
+
+    from kiln.backends.tvm.kernels import attention_cuda
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    module = tvm.IRModule(
+        {
+            "attention": attention_cuda.attention_kernel(8, 2, 128, 0.088, 64, "float16"),
+            "kv_write": attention_cuda.kv_write_kernel(2, 128, "float16"),
+        }
+    )
+    with target:
+        built = tvm.tirx.build(module, target=target)
+    assert built is not None
+    assert attention_cuda.attention_threads(128) * 128 * 4 <= 32 * 1024
+
+
+def test_a_gpu_of_another_arch_is_refused_naming_both(monkeypatch) -> None:
+    from kiln.backends import targets
+    from kiln.runtime.artifact import ArtifactError, choose_target
+
+    manifest = {"targets": {"cuda:sm_87": {}, "cuda:sm_90": {}}}
+    monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_86")
+    with pytest.raises(ArtifactError, match=r"sm_87.*sm_86.*sm_90.*sm_86"):
+        choose_target(manifest, None)
+    monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_90")
+    assert choose_target(manifest, None) == Target("cuda", "sm_90")
+
+
+# --- SmolLM2 through the CLI (one compile, both archs) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda(tmp_path_factory, smollm2_gguf_path: Path) -> Path:
+    from kiln.cli import main
+
+    out = tmp_path_factory.mktemp("cuda") / "smollm2"
+    code = main(
+        [
+            "compile",
+            "smollm2-135m-instruct",
+            "--backend",
+            "tvm",
+            "--target",
+            "cuda:sm_87,cuda:sm_90",
+            "-o",
+            str(out),
+        ]
+    )
+    assert code == 0
+    return out
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_smollm2_compiles_for_two_archs(smollm2_cuda: Path) -> None:
+    manifest = json.loads((smollm2_cuda / "manifest.json").read_text())
+    for arch, other in (("sm_87", "sm_90"), ("sm_90", "sm_87")):
+        entry = manifest["targets"][f"cuda:{arch}"]
+        assert entry["gpu_arch"] == arch and entry["probe"]["logits_file"] is None  # could not run here
+        library = smollm2_cuda / f"cuda-{arch}" / "step.so"
+        archs = {e.arch for e in cuda.fatbin_entries(library.read_bytes()) if e.kind == "cubin"}
+        assert archs == {arch}, f"{library} carries cubins for {archs}, expected only {arch} (not {other})"
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_verify_checks_structure_and_says_it_did_not_run(smollm2_cuda: Path, capsys) -> None:
+    from kiln.cli import main
+
+    if host_gpu_arch() is not None:
+        pytest.skip("this machine has a GPU: verify runs the probe here")
+    assert main(["verify", str(smollm2_cuda)]) == 0
+    out = capsys.readouterr().out
+    assert "cuda:sm_87: step.so carries a cubin for sm_87" in out
+    assert "cuda:sm_90: step.so carries a cubin for sm_90" in out
+    assert "did NOT run the probe" in out and "no NVIDIA GPU" in out
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_loading_on_another_gpu_is_refused(smollm2_cuda: Path, monkeypatch) -> None:
+    from kiln.backends import targets
+    from kiln.runtime.artifact import ArtifactError, load_artifact
+
+    monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_80")
+    with pytest.raises(ArtifactError, match=r"for sm_87 but this machine's GPU is sm_80.*for sm_90"):
+        load_artifact(smollm2_cuda)
+
+
+HOST_GPU = host_gpu_arch()
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    HOST_GPU not in ("sm_87", "sm_90"), reason=f"needs an sm_87 or sm_90 GPU (here: {HOST_GPU or 'none'})"
+)
+def test_smollm2_cuda_logits_match_the_reference(smollm2_cuda: Path, smollm2_o2) -> None:
+    from kiln.runtime.artifact import load_artifact
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    artifact = load_artifact(smollm2_cuda)
+    token_ids = artifact.tokenizer.encode("The capital of France is")
+    blocks = [1, 2]
+    inputs = build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16)
+    cache = artifact.executable.kv_cache_spec.allocate(4, 16, device="cuda")
+    logits = artifact.executable.step(inputs, cache).cpu()
+    reference_cache = smollm2_o2.executable.kv_cache_spec.allocate(4, 16)
+    expected = smollm2_o2.executable.step(inputs, reference_cache)
+    error = float((logits - expected).abs().max() / expected.abs().max())
+    assert error < 1e-3, f"CUDA logits differ from the reference by {error:.3g}"
