@@ -13,6 +13,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+CHUNK = 16  # keys scored before each rescale of the running sums
+
 
 def _lanes(head_dim: int) -> int:
     return math.gcd(head_dim, 16)
@@ -51,10 +53,13 @@ def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
 def attention_kernel(
     heads: int, kv_heads: int, head_dim: int, scale: float, sliding_window: int | None, dtype: str
 ) -> tirx.PrimFunc:
+    """One parallel task per (query row, kv head): the group's query heads share each K/V load. Keys go
+    in chunks of CHUNK: scores for the chunk, one rescale of the running sums, then the weighted V."""
     group = heads // kv_heads
     lanes = _lanes(head_dim)
     chunks = head_dim // lanes
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
+    chunk = CHUNK
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -82,56 +87,76 @@ def attention_kernel(
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
         starts = T.match_buffer(starts_handle, (num_starts,), "int64")
         out = T.match_buffer(out_handle, (n, heads, head_dim), dtype)
-        for task in T.parallel(n * heads):
+        for task in T.parallel(n * kv_heads):
             with T.sblock("attend"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((head_dim,), "float32")
+                acc = T.sblock_alloc_buffer((group, head_dim), "float32")
+                query = T.sblock_alloc_buffer((group, head_dim), "float32")
                 part = T.sblock_alloc_buffer((lanes,), "float32")
-                state = T.sblock_alloc_buffer((4,), "float32")  # running max, denominator, score, new max
+                scores = T.sblock_alloc_buffer((group, chunk), "float32")
+                running = T.sblock_alloc_buffer((group, 3), "float32")  # max, denominator, new max
                 owner = T.sblock_alloc_buffer((1,), "int64")
-                row: T.let[T.int64] = task // heads
-                h: T.let[T.int64] = task % heads
-                kvh: T.let[T.int64] = h // group
+                row: T.let[T.int64] = task // kv_heads
+                kvh: T.let[T.int64] = task % kv_heads
                 owner[0] = T.int64(-1)
                 for b in T.serial(num_seqs):
                     if starts[b] <= row and row < starts[b + 1]:
                         owner[0] = b
-                for d in T.vectorized(head_dim):
-                    acc[d] = T.float32(0)
+                for g in T.serial(group):
+                    for d in T.vectorized(head_dim):
+                        acc[g, d] = T.float32(0)
+                        query[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * T.float32(scale)
+                    running[g, 0] = T.float32(-3.0e38)
+                    running[g, 1] = T.float32(0)
                 if owner[0] >= 0:
                     seq: T.let[T.int64] = owner[0]
                     position: T.let[T.int64] = (
                         lens[seq] - (starts[seq + 1] - starts[seq]) + (row - starts[seq])
                     )
                     lowest: T.let[T.int64] = T.max(T.int64(0), position - T.int64(window) + T.int64(1))
-                    state[0] = T.float32(-3.0e38)
-                    state[1] = T.float32(0)
-                    for t in T.serial(lowest, position + 1):
-                        page: T.let[T.int64] = tables[seq, t // block_size]
-                        offset: T.let[T.int64] = t % block_size
-                        for lane in T.vectorized(lanes):
-                            part[lane] = T.float32(0)
-                        for c in T.serial(chunks):
-                            for lane in T.vectorized(lanes):
-                                part[lane] = part[lane] + T.Cast(
-                                    "float32", q[row, h, c * lanes + lane]
-                                ) * T.Cast("float32", cache[layer, 0, page, offset, kvh, c * lanes + lane])
-                        state[2] = T.float32(0)
-                        for lane in T.serial(lanes):
-                            state[2] = state[2] + part[lane]
-                        state[2] = state[2] * T.float32(scale)
-                        state[3] = T.max(state[0], state[2])
+                    for c in T.serial((position + 1 - lowest + chunk - 1) // chunk):
+                        first: T.let[T.int64] = lowest + c * chunk
+                        count: T.let[T.int64] = T.min(T.int64(chunk), position + 1 - first)
+                        for i in T.serial(count):
+                            page: T.let[T.int64] = tables[seq, (first + i) // block_size]
+                            offset: T.let[T.int64] = (first + i) % block_size
+                            for g in T.serial(group):
+                                for lane in T.vectorized(lanes):
+                                    part[lane] = T.float32(0)
+                                for ci in T.serial(chunks):
+                                    for lane in T.vectorized(lanes):
+                                        part[lane] = part[lane] + query[g, ci * lanes + lane] * T.Cast(
+                                            "float32", cache[layer, 0, page, offset, kvh, ci * lanes + lane]
+                                        )
+                                scores[g, i] = T.float32(0)
+                                for lane in T.serial(lanes):
+                                    scores[g, i] = scores[g, i] + part[lane]
+                        for g in T.serial(group):
+                            running[g, 2] = running[g, 0]
+                            for i in T.serial(count):
+                                running[g, 2] = T.max(running[g, 2], scores[g, i])
+                            for d in T.vectorized(head_dim):
+                                acc[g, d] = acc[g, d] * T.exp(running[g, 0] - running[g, 2])
+                            running[g, 1] = running[g, 1] * T.exp(running[g, 0] - running[g, 2])
+                            running[g, 0] = running[g, 2]
+                            for i in T.serial(count):
+                                scores[g, i] = T.exp(scores[g, i] - running[g, 0])
+                                running[g, 1] = running[g, 1] + scores[g, i]
+                        for i in T.serial(count):
+                            page: T.let[T.int64] = tables[seq, (first + i) // block_size]
+                            offset: T.let[T.int64] = (first + i) % block_size
+                            for g in T.serial(group):
+                                for d in T.vectorized(head_dim):
+                                    acc[g, d] = acc[g, d] + scores[g, i] * T.Cast(
+                                        "float32", cache[layer, 1, page, offset, kvh, d]
+                                    )
+                    for g in T.serial(group):
                         for d in T.vectorized(head_dim):
-                            acc[d] = acc[d] * T.exp(state[0] - state[3]) + T.exp(
-                                state[2] - state[3]
-                            ) * T.Cast("float32", cache[layer, 1, page, offset, kvh, d])
-                        state[1] = state[1] * T.exp(state[0] - state[3]) + T.exp(state[2] - state[3])
-                        state[0] = state[3]
-                    for d in T.vectorized(head_dim):
-                        out[row, h, d] = T.Cast(dtype, acc[d] / state[1])
+                            out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / running[g, 1])
                 else:
-                    for d in T.vectorized(head_dim):
-                        out[row, h, d] = T.Cast(dtype, T.float32(0))
+                    for g in T.serial(group):
+                        for d in T.vectorized(head_dim):
+                            out[row, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
 
     return attention
