@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, QuantSpec
 
 QUANT_TILE = 32  # columns per strip: 4 rows x 32 floats of partial and total sums stay in registers
+MANY_ROW_BLOCKS = 4  # from 16 rows on, dequantizing a strip once beats regrouping per row block
 
 
 def quant_tile(n: int, spec: QuantSpec) -> int | None:
@@ -40,6 +41,7 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
     packed_dtype = "uint8" if four_bit else "int8"
     scheme = {"min": 0, "zero_point": 1, "symmetric": 2}[spec.scheme]
     half = group // 2
+    many_blocks = MANY_ROW_BLOCKS
 
     @T.prim_func(s_tir=True)
     def qgemm(
@@ -68,63 +70,108 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                 low = T.sblock_alloc_buffer((tile,), "float32", scope="local")
                 high = T.sblock_alloc_buffer((tile,), "float32", scope="local")
                 sums = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                for a in T.serial(q):
-                    for b in T.unroll(4):
-                        for lane in T.vectorized(tile):
-                            acc[b, lane] = T.float32(0)
-                    for g in T.serial(groups):
+                strip = T.sblock_alloc_buffer((k, tile), "float32", scope="local")
+                if q < T.int64(many_blocks):
+                    for a in T.serial(q):
                         for b in T.unroll(4):
                             for lane in T.vectorized(tile):
-                                part[b, lane] = T.float32(0)
-                        if four_bit:
-                            for p in T.serial(half):
+                                acc[b, lane] = T.float32(0)
+                        for g in T.serial(groups):
+                            for b in T.unroll(4):
                                 for lane in T.vectorized(tile):
-                                    low[lane] = T.Cast("float32", w[jo, g * half + p, lane] & T.uint8(15))
-                                    high[lane] = T.Cast("float32", w[jo, g * half + p, lane] >> T.uint8(4))
-                                for b in T.unroll(4):
+                                    part[b, lane] = T.float32(0)
+                            if four_bit:
+                                for p in T.serial(half):
                                     for lane in T.vectorized(tile):
-                                        part[b, lane] = (
-                                            part[b, lane]
-                                            + x[a, b, g * group + 2 * p] * low[lane]
-                                            + x[a, b, g * group + 2 * p + 1] * high[lane]
+                                        low[lane] = T.Cast("float32", w[jo, g * half + p, lane] & T.uint8(15))
+                                        high[lane] = T.Cast(
+                                            "float32", w[jo, g * half + p, lane] >> T.uint8(4)
                                         )
-                        else:
-                            for kk in T.serial(group):
-                                for lane in T.vectorized(tile):
-                                    low[lane] = T.Cast("float32", w[jo, g * group + kk, lane])
-                                for b in T.unroll(4):
-                                    for lane in T.vectorized(tile):
-                                        part[b, lane] = part[b, lane] + x[a, b, g * group + kk] * low[lane]
-                        if scheme == 2:
-                            for b in T.unroll(4):
-                                for lane in T.vectorized(tile):
-                                    acc[b, lane] = (
-                                        acc[b, lane] + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
-                                    )
-                        else:
-                            for b in T.unroll(4):
-                                sums[b] = T.float32(0)
+                                    for b in T.unroll(4):
+                                        for lane in T.vectorized(tile):
+                                            part[b, lane] = (
+                                                part[b, lane]
+                                                + x[a, b, g * group + 2 * p] * low[lane]
+                                                + x[a, b, g * group + 2 * p + 1] * high[lane]
+                                            )
+                            else:
                                 for kk in T.serial(group):
-                                    sums[b] = sums[b] + x[a, b, g * group + kk]
-                            if scheme == 0:
+                                    for lane in T.vectorized(tile):
+                                        low[lane] = T.Cast("float32", w[jo, g * group + kk, lane])
+                                    for b in T.unroll(4):
+                                        for lane in T.vectorized(tile):
+                                            part[b, lane] = (
+                                                part[b, lane] + x[a, b, g * group + kk] * low[lane]
+                                            )
+                            if scheme == 2:
                                 for b in T.unroll(4):
                                     for lane in T.vectorized(tile):
                                         acc[b, lane] = (
                                             acc[b, lane]
                                             + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
-                                            + T.Cast("float32", zeros[jo, g, lane]) * sums[b]
                                         )
                             else:
                                 for b in T.unroll(4):
-                                    for lane in T.vectorized(tile):
-                                        acc[b, lane] = acc[b, lane] + T.Cast(
-                                            "float32", scales[jo, g, lane]
-                                        ) * (part[b, lane] - T.Cast("float32", zeros[jo, g, lane]) * sums[b])
-                    for b in T.unroll(4):
+                                    sums[b] = T.float32(0)
+                                    for kk in T.serial(group):
+                                        sums[b] = sums[b] + x[a, b, g * group + kk]
+                                if scheme == 0:
+                                    for b in T.unroll(4):
+                                        for lane in T.vectorized(tile):
+                                            acc[b, lane] = (
+                                                acc[b, lane]
+                                                + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
+                                                + T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                            )
+                                else:
+                                    for b in T.unroll(4):
+                                        for lane in T.vectorized(tile):
+                                            acc[b, lane] = acc[b, lane] + T.Cast(
+                                                "float32", scales[jo, g, lane]
+                                            ) * (
+                                                part[b, lane]
+                                                - T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                            )
+                        for b in T.unroll(4):
+                            for lane in T.vectorized(tile):
+                                if has_bias:
+                                    y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
+                                else:
+                                    y[a, b, jo * tile + lane] = acc[b, lane]
+
+                else:  # many rows: dequantize the strip once, then a float32 4-row micro-kernel
+                    for kk in T.serial(k):
                         for lane in T.vectorized(tile):
-                            if has_bias:
-                                y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
+                            if scheme == 0:
+                                strip[kk, lane] = T.Cast("float32", scales[jo, kk // group, lane]) * T.Cast(
+                                    "float32",
+                                    (w[jo, kk // 2, lane] >> T.Cast("uint8", (kk % 2) * 4)) & T.uint8(15),
+                                ) + T.Cast("float32", zeros[jo, kk // group, lane])
+                            elif scheme == 1:
+                                strip[kk, lane] = T.Cast("float32", scales[jo, kk // group, lane]) * (
+                                    T.Cast(
+                                        "float32",
+                                        (w[jo, kk // 2, lane] >> T.Cast("uint8", (kk % 2) * 4)) & T.uint8(15),
+                                    )
+                                    - T.Cast("float32", zeros[jo, kk // group, lane])
+                                )
                             else:
-                                y[a, b, jo * tile + lane] = acc[b, lane]
+                                strip[kk, lane] = T.Cast("float32", w[jo, kk, lane]) * T.Cast(
+                                    "float32", scales[jo, kk // group, lane]
+                                )
+                    for a in T.serial(q):
+                        for b in T.unroll(4):
+                            for lane in T.vectorized(tile):
+                                acc[b, lane] = T.float32(0)
+                        for kk in T.serial(k):
+                            for b in T.unroll(4):
+                                for lane in T.vectorized(tile):
+                                    acc[b, lane] = acc[b, lane] + x[a, b, kk] * strip[kk, lane]
+                        for b in T.unroll(4):
+                            for lane in T.vectorized(tile):
+                                if has_bias:
+                                    y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
+                                else:
+                                    y[a, b, jo * tile + lane] = acc[b, lane]
 
     return qgemm
