@@ -206,3 +206,45 @@ def test_compile_settings_threads_are_recorded(tmp_path: Path) -> None:
     code = TVMBackend().compile(program, Target("cpu"), tmp_path / "tvm", CompileSettings(num_threads=1))
     assert code.manifest["num_threads"] == 1
     assert set(code.kernels.values()) <= {"templated", "hand-written TIR", "tuned"}
+
+
+_RUNTIME_ONLY = """
+import json, sys, time
+start = time.perf_counter()
+from pathlib import Path
+from kiln.runtime.artifact import load_artifact, probe_logits
+artifact = load_artifact(Path(sys.argv[1]))
+loaded = time.perf_counter()
+now, recorded = probe_logits(artifact)
+libraries = sorted({line.split("/")[-1].strip() for line in open("/proc/self/maps") if "libtvm" in line})
+print(json.dumps({"libraries": libraries, "tvm_imported": "tvm" in sys.modules,
+                  "error": float((now - recorded).abs().max()), "load_s": loaded - start}))
+"""
+
+
+@pytest.mark.slow
+def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from kiln.cli import main
+
+    _tiny_program("qwen2", tmp_path / "hf", opt_level=0)
+    assert (
+        main(["compile", str(tmp_path / "hf"), "--backend", "tvm", "-o", str(tmp_path / "art"), "--quiet"])
+        == 0
+    )
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    entry = manifest["targets"]["cpu"]
+    assert entry["backend"] == "tvm" and entry["code"] == ["step.json", "step.so"]
+    assert {"templated", "hand-written TIR"} <= set(entry["kernels"].values())
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNTIME_ONLY, str(tmp_path / "art")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "libtvm_runtime.so" in report["libraries"]
+    assert "libtvm_compiler.so" not in report["libraries"] and not report["tvm_imported"]
+    assert report["error"] == 0.0
