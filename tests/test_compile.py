@@ -73,7 +73,7 @@ def test_compiling_twice_gives_identical_files(
     [
         (["--target", "cuda:sm_90"], "reference backend runs on the CPU"),
         (["--target", "gpu:9000"], "unknown target 'gpu:9000'"),
-        (["--backend", "tvm"], "backend tvm is not built yet"),
+        (["--backend", "tvm", "--target", "cpu:nosuchcpu"], "LLVM does not know the CPU 'nosuchcpu'"),
     ],
 )
 def test_impossible_requests_exit_2_at_once(tmp_path: Path, args: list[str], message: str) -> None:
