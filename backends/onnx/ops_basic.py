@@ -1,0 +1,165 @@
+"""Lowering rules for the elementwise, shape, embedding, linear and normalisation ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kiln.backends.onnx.builder import ONNX_DTYPES
+from kiln.backends.onnx.context import LoweringContext
+from kiln.backends.onnx.rules import rule
+from kiln.ir import Node, Value
+
+
+def _in(ctx: LoweringContext, node: Node, index: int) -> str:
+    value = node.inputs[index]
+    assert value is not None
+    return ctx.name(value)
+
+
+def _optional(ctx: LoweringContext, node: Node, index: int) -> str | None:
+    value = node.inputs[index] if index < len(node.inputs) else None
+    return ctx.name(value) if value is not None else None
+
+
+@rule("add")
+def _add(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    ctx.b.node("Add", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs)
+    return "onnx Add"
+
+
+@rule("mul")
+def _mul(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    ctx.b.node("Mul", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs)
+    return "onnx Mul"
+
+
+def silu(ctx: LoweringContext, x: str, outputs: list[str] | int = 1) -> str:
+    (out,) = ctx.b.node("Mul", [x, ctx.b.op("Sigmoid", x)], outputs)
+    return out
+
+
+@rule("silu")
+def _silu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    silu(ctx, _in(ctx, node, 0), outputs)
+    return "onnx Sigmoid, Mul"
+
+
+@rule("reshape")
+def _reshape(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    shape = node.attrs["shape"]
+    assert isinstance(shape, list)
+    target = [d if isinstance(d, int) else -1 for d in shape]  # a symbol is the one dim left to infer
+    ctx.b.node("Reshape", [_in(ctx, node, 0), ctx.b.const(target)], outputs)
+    return "onnx Reshape"
+
+
+@rule("embedding")
+def _embedding(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    ctx.b.node("Gather", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs, axis=0)
+    return "onnx Gather"
+
+
+@rule("take_rows")
+def _take_rows(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    ctx.b.node("Gather", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs, axis=0)
+    return "onnx Gather"
+
+
+RowsFn = Callable[[str, list[str] | int], str]
+
+
+def matmul_2d(ctx: LoweringContext, x: Value, lower_2d: RowsFn, outputs: list[str]) -> None:
+    """Run `lower_2d(rows [M, K]) -> [M, N]` on x[..., K], reshaping around it when x is not 2-D."""
+    name = ctx.name(x)
+    if x.type.rank == 2:
+        lower_2d(name, outputs)
+        return
+    rows = ctx.b.op("Reshape", name, ctx.b.const([-1, int(x.type.shape[-1])]))
+    flat = lower_2d(rows, 1)
+    lead = ctx.b.op("Shape", name, end=-1)
+    shape = ctx.b.op("Concat", lead, ctx.b.const([-1]), axis=0)
+    ctx.b.node("Reshape", [flat, shape], outputs)
+
+
+@rule("linear")
+def _linear(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    x = node.inputs[0]
+    assert x is not None
+    weight, bias = _in(ctx, node, 1), _optional(ctx, node, 2)
+
+    def gemm(rows: str, outs: list[str] | int) -> str:
+        inputs = [rows, weight] + ([bias] if bias is not None else [])
+        (out,) = ctx.b.node("Gemm", inputs, outs, transB=1)
+        return out
+
+    matmul_2d(ctx, x, gemm, outputs)
+    return "onnx Gemm"
+
+
+def rms_norm(ctx: LoweringContext, x: str, dtype: str, weight: str, eps: float, outputs: list[str]) -> None:
+    """weight * (x / sqrt(mean(x^2) + eps)) in float32: the pattern ONNX Runtime fuses into
+    SimplifiedLayerNormalization."""
+    wide = ctx.b.op("Cast", x, to=ONNX_DTYPES["f32"]) if dtype != "f32" else x
+    square = ctx.b.op("Pow", wide, ctx.b.const(2.0, np.float32))
+    mean = ctx.b.op("ReduceMean", square, ctx.b.const([-1]), keepdims=1)
+    root = ctx.b.op("Sqrt", ctx.b.op("Add", mean, ctx.b.const(eps, np.float32)))
+    normed = ctx.b.op("Div", wide, root)
+    if dtype != "f32":
+        normed = ctx.b.op("Cast", normed, to=ONNX_DTYPES[dtype])
+    ctx.b.node("Mul", [normed, weight], outputs)
+
+
+def _dtype(node: Node, index: int = 0) -> str:
+    value = node.inputs[index]
+    assert value is not None
+    return value.type.dtype
+
+
+@rule("rms_norm")
+def _rms_norm(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    eps = node.attrs["eps"]
+    assert isinstance(eps, float)
+    rms_norm(ctx, _in(ctx, node, 0), _dtype(node), _in(ctx, node, 1), eps, outputs)
+    return "onnx Pow, ReduceMean, Sqrt, Div, Mul"
+
+
+@rule("add_rms_norm")
+def _add_rms_norm(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    eps = node.attrs["eps"]
+    assert isinstance(eps, float)
+    normed, total = outputs
+    ctx.b.node("Add", [_in(ctx, node, 0), _in(ctx, node, 1)], [total])
+    rms_norm(ctx, total, _dtype(node), _in(ctx, node, 2), eps, [normed])
+    return "onnx Add, Pow, ReduceMean, Sqrt, Div, Mul"
+
+
+@rule("split")
+def _split(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    sizes = node.attrs["sizes"]
+    ctx.b.node("Split", [_in(ctx, node, 0), ctx.b.const(sizes)], outputs, axis=-1)
+    return "onnx Split"
+
+
+@rule("swiglu")
+def _swiglu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    gate, up = _in(ctx, node, 0), _optional(ctx, node, 1)
+    if up is None:
+        gate, up = ctx.b.node("Split", [gate], 2, axis=-1, num_outputs=2)
+    ctx.b.node("Mul", [silu(ctx, gate), up], outputs)
+    return "onnx Sigmoid, Mul"
+
+
+@rule("cast")
+def _cast(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    dtype = node.attrs["dtype"]
+    assert isinstance(dtype, str)
+    ctx.b.node("Cast", [_in(ctx, node, 0)], outputs, to=ONNX_DTYPES[dtype])
+    return "onnx Cast"
+
+
+@rule("transpose")
+def _transpose(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    ctx.b.node("Transpose", [_in(ctx, node, 0)], outputs, perm=node.attrs["perm"])
+    return "onnx Transpose"

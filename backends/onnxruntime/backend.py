@@ -1,0 +1,80 @@
+"""The ONNX Runtime backend: the step lowered to one ONNX model, run on the CPU (or CUDA) EP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable, KVCacheSpec
+from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
+from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
+from kiln.backends.onnxruntime.session import providers, session_config, session_options
+from kiln.backends.targets import Target
+from kiln.ir import DTYPES, Program
+
+SESSION_KEY = "session"
+
+
+def _kv_spec(meta: dict) -> KVCacheSpec:
+    spec = meta["kv_cache"]
+    return KVCacheSpec(spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], DTYPES[spec["dtype"]])
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def version(self) -> str:
+        return f"onnxruntime-{ort.__version__}"
+
+    def unsupported(self, target: Target) -> str | None:
+        if target.kind == "cpu" and target.detail is not None:
+            return (
+                f"onnxruntime picks its CPU kernels at run time (MLAS dispatches on the host's ISA); "
+                f"target {target.name} names an LLVM mcpu that means nothing to it: use --target cpu"
+            )
+        return None
+
+    def compile(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        lowered = lower_program(program, LoweringOptions(contrib_ops=True))
+        checks = check_model(lowered.model)
+        spec = KVCacheSpec.of_graph(program.graph)
+        config = session_config(target, settings)
+        kv = {
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": next(k for k, v in DTYPES.items() if v == spec.dtype),
+        }
+        files = write_lowered(lowered, folder, {SESSION_KEY: config, "kv_cache": kv, "checks": checks})
+        manifest = {
+            "onnx": {
+                "opsets": {o.domain or "ai.onnx": o.version for o in lowered.model.opset_import},
+                "nodes": len(lowered.model.graph.node),
+                "weight_inputs": len(lowered.bindings),
+            },
+            SESSION_KEY: config,
+        }
+        return CompiledCode(files, dict(lowered.kernels), manifest)
+
+    def check_structure(self, folder: Path, target: Target) -> list[str]:
+        model, meta = read_lowered(folder)
+        lines = check_model(model)
+        for name in meta[SESSION_KEY].get("providers", []):
+            lines.append(f"session provider {name[0]} recorded")
+        return lines
+
+    def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
+        model, meta = read_lowered(folder)
+        config = meta.get(SESSION_KEY)
+        if config is None:
+            raise BackendError(f"{folder}: the ONNX metadata has no session settings")
+        return OnnxRuntimeExecutable(
+            model, meta, weights, session_options(config), providers(config), _kv_spec(meta)
+        )
+
+
+__all__ = ["OnnxRuntimeBackend"]

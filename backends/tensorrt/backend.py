@@ -1,0 +1,108 @@
+"""The TensorRT backend: the same ONNX lowering (standard ops only: TensorRT's parser has no
+com.microsoft ops), then an engine built on a machine with a GPU of the target's arch.
+
+Where this machine has no such GPU, compile writes and checks the ONNX model and raises
+DeviceRequiredError: `kiln compile` keeps the folder and exits 2, for a GPU builder to finish.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.backends.base import (
+    BackendError,
+    CompiledCode,
+    CompileSettings,
+    DeviceRequiredError,
+    Executable,
+    KVCacheSpec,
+)
+from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
+from kiln.backends.targets import Target, mismatch
+from kiln.ir import DTYPES, Program
+
+NUM_BLOCKS_OPT = 2048  # the cache size the engine's profile is tuned for
+
+
+def _tensorrt_version() -> str | None:
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return None
+    return str(trt.__version__)
+
+
+class TensorRTBackend:
+    name = "tensorrt"
+
+    def version(self) -> str:
+        found = _tensorrt_version()
+        return f"tensorrt-{found}" if found else "tensorrt-unavailable"
+
+    def unsupported(self, target: Target) -> str | None:
+        if target.kind != "cuda":
+            return f"TensorRT needs an NVIDIA GPU target (cuda:sm_XX), not {target.name}"
+        return None
+
+    def compile(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        lowered = lower_program(program, LoweringOptions(contrib_ops=False))
+        checks = check_model(lowered.model)
+        spec = KVCacheSpec.of_graph(program.graph)
+        kv = {
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": next(k for k, v in DTYPES.items() if v == spec.dtype),
+        }
+        files = write_lowered(lowered, folder, {"kv_cache": kv, "checks": checks})
+        reason = mismatch(target)
+        if reason is not None:
+            raise DeviceRequiredError(
+                f"cannot build the TensorRT engine for {target.name}: {reason}; wrote and checked the ONNX "
+                f"model ({checks[0]})",
+                written=[f"{target.folder}/{name}" for name in files],
+                hint=f"run this `kiln compile` where there is an NVIDIA {target.gpu_arch} GPU and tensorrt",
+            )
+        from kiln.backends.tensorrt.engine import build_engine, with_initializers  # not exercised here
+
+        built = build_engine(with_initializers(lowered, program.weights), folder, settings, NUM_BLOCKS_OPT)
+        meta_path = folder / "onnx.json"
+        meta = json.loads(meta_path.read_text())
+        meta["engine"] = built
+        meta_path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+        return CompiledCode(
+            [*files, built["engine"]], dict.fromkeys(lowered.kernels, "tensorrt"), {"tensorrt": built}
+        )
+
+    def check_structure(self, folder: Path, target: Target) -> list[str]:
+        model, meta = read_lowered(folder)
+        lines = check_model(model)
+        engine = meta.get("engine", {}).get("engine")
+        if engine is None or not (folder / engine).is_file():
+            raise BackendError(
+                f"{folder}: no TensorRT engine", hint="compile on a machine with the target's GPU"
+            )
+        return [*lines, f"{engine} present ({(folder / engine).stat().st_size:,} bytes)"]
+
+    def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
+        reason = mismatch(target)
+        if reason is not None:
+            raise BackendError(f"cannot run the TensorRT engine: {reason}")
+        _, meta = read_lowered(folder)
+        engine = meta.get("engine", {}).get("engine")
+        if engine is None:
+            raise BackendError(
+                f"{folder}: no TensorRT engine", hint="compile on a machine with the target's GPU"
+            )
+        from kiln.backends.tensorrt.executable import TensorRTExecutable  # not exercised here
+
+        spec = meta["kv_cache"]
+        kv_spec = KVCacheSpec(
+            spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], DTYPES[spec["dtype"]]
+        )
+        return TensorRTExecutable(folder / engine, meta, kv_spec)
