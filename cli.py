@@ -151,6 +151,62 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.backends.targets import TargetError, parse_targets
+    from kiln.build import pass_options
+    from kiln.frontend.capture import capture_weights
+    from kiln.frontend.load import load_model
+    from kiln.ir import Program
+    from kiln.passes import PassManager, pipeline
+
+    try:
+        targets = parse_targets(args.target)
+    except TargetError as error:
+        raise UsageError(str(error), hint=error.hint) from None
+    if len(targets) != 1 or targets[0].kind != "cpu":
+        raise UsageError(f"kiln tune tunes one CPU target (cpu or cpu:<mcpu>), got {args.target!r}")
+    if args.trials < 1:
+        raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    from kiln.backends.tvm import cpu
+    from kiln.backends.tvm.backend import TVMBackend
+    from kiln.backends.tvm.tuning import decode_workloads, target_folder, tune_workload
+
+    reason = TVMBackend().unsupported(targets[0])
+    if reason is not None:
+        raise UsageError(reason)
+    quantization = None if args.quantization == "none" else args.quantization
+    source = load_model(args.model)
+    captured = capture_weights(source.config, source.float_weights())
+    options = pass_options(source, quantization, args.group_size, args.dtype)
+    program, _ = PassManager(pipeline(args.opt_level, options)).run(
+        Program(captured.graph, captured.weights), options
+    )
+    llvm = cpu.llvm_target(targets[0], args.num_threads)
+    logs = Path(args.tuning_logs)
+    workloads = decode_workloads(program.graph)
+    print(
+        f"tuning {len(workloads)} kernels of {source.name}'s decode function for {target_folder(llvm)}, "
+        f"{args.trials} trials each, into {logs / target_folder(llvm)}",
+        file=sys.stderr,
+    )
+    kept = 0
+    for index, workload in enumerate(workloads, 1):
+        meta = tune_workload(workload, llvm, logs, args.trials)
+        tuned = "none" if meta["tuned_us"] is None else f"{meta['tuned_us']:.2f} us"
+        verdict = "kept" if meta["kept"] else "not kept (the template is faster)"
+        kept += bool(meta["kept"])
+        print(
+            f"[{index}/{len(workloads)}] {workload.kind} {workload.digest[:16]} {tuple(workload.key)}: "
+            f"tuned {tuned}, templated {meta['templated_us']:.2f} us, {verdict} "
+            f"({meta['tune_seconds']:.0f} s)",
+            flush=True,
+        )
+    print(f"{kept} of {len(workloads)} kernels tuned faster than their template; logs in {logs}")
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -368,6 +424,26 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--quiet", action="store_true", help="print nothing but errors")
     compile_.add_argument("--json", action="store_true", help="print a JSON summary (for CI logs)")
     compile_.set_defaults(run=_compile)
+
+    tune = commands.add_parser(
+        "tune", help="tune the TVM CPU decode kernels with MetaSchedule into tuning logs (for compile)"
+    )
+    tune.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
+    tune.add_argument("--target", default="cpu", help="cpu (this machine's CPU) or cpu:<mcpu>")
+    tune.add_argument("--trials", type=int, default=32, help="MetaSchedule trials per kernel (default 32)")
+    tune.add_argument("--quantization", choices=["none", "int8", "int4", "gguf"], default="none")
+    tune.add_argument("--group-size", type=int, default=32)
+    tune.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    tune.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
+    tune.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads, as given to compile (default: all)"
+    )
+    tune.add_argument(
+        "--tuning-logs",
+        default=str(default_tuning_logs()),
+        help="the folder to write (default: the repo's tuning_logs/)",
+    )
+    tune.set_defaults(run=_tune)
 
     verify = commands.add_parser("verify", help="check an artifact: checksums, schema, load, probe logits")
     verify.add_argument("artifact")

@@ -1,7 +1,9 @@
 """The TVM backend: IR → Relax → a shared library per target, run by the TVM runtime alone.
 
-<target>/step.so     the compiled `step` (Relax VM executable and its kernels; no weights)
-<target>/step.json   the weight parameters and their layouts, the KV cache spec, target details
+<target>/step.so     the compiled `step` and, on the CPU, `decode` (Relax VM executable and its kernels;
+                     no weights)
+<target>/step.json   the weight parameters and their layouts, the KV cache spec, target details, the
+                     functions in step.so
 """
 
 from __future__ import annotations
@@ -58,14 +60,13 @@ class TVMBackend:
             return compile_cuda(program, target, folder, settings)
         from kiln.backends.tvm import cpu
         from kiln.backends.tvm.lowering import lower_graph
-        from kiln.backends.tvm.tuning import apply_tuning_logs
+        from kiln.backends.tvm.tuning import TuningLogs
 
-        lowered = lower_graph(program.graph, "cpu", cpu.schedule_cpu)
         llvm = cpu.llvm_target(target, settings.num_threads)
-        module, origins = apply_tuning_logs(
-            lowered.module, llvm, settings.tuning_logs, lowered.kernel_origins
-        )
-        executable = cpu.build_cpu(module, llvm)
+        tuned = TuningLogs(settings.tuning_logs, llvm)
+        lowered = lower_graph(program.graph, "cpu", cpu.schedule_cpu, decode=True, decode_kernels=tuned)
+        origins = dict(lowered.kernel_origins)
+        executable = cpu.build_cpu(lowered.module, llvm)
         executable.export_library(str(folder / LIBRARY))
         description = {
             "device": "cpu",
@@ -73,6 +74,7 @@ class TVMBackend:
             "cpu_features": cpu.required_features(llvm),
             "num_threads": settings.num_threads,
             "params": [spec.to_dict() for spec in lowered.params],
+            "functions": lowered.functions,
             "kv_cache": _kv_fields(program),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
@@ -105,6 +107,7 @@ class TVMBackend:
             weights,
             kv_spec_from(description["kv_cache"]),
             description["device"],
+            description.get("functions", ["step"]),
         )
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:

@@ -2,7 +2,8 @@
 
 The step's token rows and logits rows are padded to multiples of 4 here (padding tokens write no K/V
 and belong to no sequence); tensors cross into TVM by DLPack, without copies, and the KV cache is
-written in place.
+written in place. A step whose padded token rows and logits rows are one block of 4 each (a decode of
+up to 4 sequences) runs the `decode` function when the artifact has one (CPU), `step` otherwise.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class TVMExecutable:
         weights: dict[str, torch.Tensor],
         kv_cache_spec: KVCacheSpec,
         device: str = "cpu",
+        functions: list[str] | None = None,
     ) -> None:
         ffi = load_runtime()
         if device == "cuda":
@@ -109,6 +111,7 @@ class TVMExecutable:
         else:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
+        self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]
         self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
 
@@ -147,7 +150,9 @@ class TVMExecutable:
             args = [a.to(self.device, non_blocking=True) for a in args]
             kv_cache = self._device_cache(kv_cache) if on_host else kv_cache
         packed = [ffi.from_dlpack(aligned(a)) for a in args] + [ffi.from_dlpack(kv_cache)]
-        logits = torch.from_dlpack(self.function(*packed, *self._weight_args))[:num_logits]
+        one_block = args[0].shape[0] == 1 and args[6].shape[0] == 1
+        function = self.decode_function if one_block and self.decode_function is not None else self.function
+        logits = torch.from_dlpack(function(*packed, *self._weight_args))[:num_logits]
         return logits.to("cpu" if on_host else logits.device, torch.float32)
 
     def _device_cache(self, host_cache: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,10 @@ register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4
          query_start_loc[B1], logits_indices[lq, 4], kv_cache[layers, 2, NB, BS, kv_heads, head_dim],
          *weights) -> logits[lq * 4, vocab]
 
+On the CPU a second function, `decode`, has the same inputs and params with `tq` = `lq` = 1 (at most 4
+token rows and 4 logits rows: single-stream decode); it shares the generic kernels with `step`, except
+where a kernel specialized to those rows exists (`DecodeKernels`: the tuned ones, see tuning.py).
+
 Weights are parameters (the library holds none), each in the layout its kernel reads (`ParamSpec`).
 An op without a lowering, or with attributes a lowering cannot take, fails naming the op and the
 model line it came from.
@@ -25,8 +29,7 @@ from kiln.backends.base import BackendError
 from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import linear as linear_kernels
-from kiln.backends.tvm.kernels import quant_gemm
-from kiln.backends.tvm.kernels import rowwise
+from kiln.backends.tvm.kernels import quant_gemm, rowwise
 from kiln.backends.tvm.layouts import int4_tiled_transform, tiled_transform
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
 from kiln.ir.ops.attention import rope_inv_freq
@@ -58,6 +61,12 @@ class ParamSpec:
 
 
 KernelBuilder = Callable[[], tirx.PrimFunc]
+Schedule = Callable[[str, tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str]]
+# (kind, key, the generic unscheduled kernel, info) -> (a kernel for the decode rows, origin) or None
+DecodeKernels = Callable[
+    [str, tuple[Any, ...], tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str] | None
+]
+DECODE_BLOCKS = 1  # tq and lq of `decode`
 
 
 @dataclass
@@ -66,7 +75,7 @@ class Lowerer:
 
     graph: Graph
     target_kind: str  # "cpu" | "cuda"
-    schedule: Callable[[str, tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str]]
+    schedule: Schedule
     builder: relax.BlockBuilder = field(default_factory=relax.BlockBuilder)
     dims: dict[str, Any] = field(default_factory=dict)
     values: dict[str, relax.Expr] = field(default_factory=dict)
@@ -74,6 +83,7 @@ class Lowerer:
     param_specs: list[ParamSpec] = field(default_factory=list)
     kernels: dict[tuple[Any, ...], relax.GlobalVar] = field(default_factory=dict)
     kernel_origins: dict[str, str] = field(default_factory=dict)
+    decode_kernels: DecodeKernels | None = None  # set while lowering `decode`
 
     def dim(self, dim: int | str) -> Any:
         if isinstance(dim, int):
@@ -106,13 +116,22 @@ class Lowerer:
         self, kind: str, key: tuple[Any, ...], make: KernelBuilder, info: dict[str, Any]
     ) -> relax.GlobalVar:
         full_key = (kind, *key)
+        if self.decode_kernels is not None:
+            decode_key = ("decode", *full_key)
+            if decode_key not in self.kernels:
+                found = self.decode_kernels(kind, key, make(), info)
+                self.kernels[decode_key] = self._add_kernel(f"{kind}_decode", *found) if found else None
+            if self.kernels[decode_key] is not None:
+                return self.kernels[decode_key]
         if full_key not in self.kernels:
-            name = f"{kind}_{len(self.kernels)}"
-            func, origin = self.schedule(kind, make(), info)
-            func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)  # opaque: never refused
-            self.kernels[full_key] = self.builder.add_func(func, name)
-            self.kernel_origins[name] = origin
+            self.kernels[full_key] = self._add_kernel(kind, *self.schedule(kind, make(), info))
         return self.kernels[full_key]
+
+    def _add_kernel(self, prefix: str, func: tirx.PrimFunc, origin: str) -> relax.GlobalVar:
+        name = f"{prefix}_{len(self.kernel_origins)}"
+        func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)  # opaque: never refused
+        self.kernel_origins[name] = origin
+        return self.builder.add_func(func, name)
 
     def emit(self, expr: relax.Expr) -> relax.Var:
         return self.builder.emit(expr)
@@ -327,12 +346,12 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
 
 @lowering("embedding")
 def _embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
-    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0))]
+    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0, mode="clip"))]
 
 
 @lowering("take_rows")
 def _take_rows(lw: Lowerer, node: Node) -> list[relax.Expr]:
-    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0))]
+    return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0, mode="clip"))]
 
 
 @lowering("reshape")
@@ -396,34 +415,29 @@ def unsupported_nodes(graph: Graph) -> list[str]:
 
 @dataclass
 class LoweredStep:
-    module: Any  # tvm.IRModule with the Relax function `step` and its kernels
+    module: Any  # tvm.IRModule with the Relax functions (`step`, and `decode` if asked) and their kernels
     params: list[ParamSpec]
     kernel_origins: dict[str, str]
+    functions: list[str]
 
 
-def lower_graph(
-    graph: Graph,
-    target_kind: str,
-    schedule: Callable[[str, tirx.PrimFunc, dict[str, Any]], tuple[tirx.PrimFunc, str]],
-) -> LoweredStep:
-    problems = unsupported_nodes(graph)
-    if problems:
-        raise BackendError(problems[0], hint="use the reference backend for this model, or add a lowering")
-    lw = Lowerer(graph, target_kind, schedule)
-    lw.dims["tq"] = tirx.Var("tq", "int64")
-    lw.dims["lq"] = tirx.Var("lq", "int64")
+def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
+    """Emit one Relax function of the graph: `blocks` token (and logits) row blocks, None: symbolic."""
+    lw.dims["tq"] = tirx.Var("tq", "int64") if blocks is None else blocks
+    lw.dims["lq"] = tirx.Var("lq", "int64") if blocks is None else blocks
     lw.dims["T"] = lw.dims["tq"] * ROW_BLOCK
     lw.dims["L"] = lw.dims["lq"] * ROW_BLOCK
+    graph = lw.graph
     inputs: list[relax.Var] = []
     for value in graph.inputs:
         if value.name in PADDED_INPUTS:
-            blocks = lw.dims["lq" if value.name == "logits_indices" else "tq"]
-            var = relax.Var(value.name, relax.TensorType([blocks, ROW_BLOCK], "int64"))
+            row_blocks = lw.dims["lq" if value.name == "logits_indices" else "tq"]
+            var = relax.Var(value.name, relax.TensorType([row_blocks, ROW_BLOCK], "int64"))
         else:
             expected = STEP_INPUT_TYPES.get(value.name, value.type)
             var = relax.Var(value.name, lw.sinfo(expected if value.name != KV_CACHE_INPUT else value.type))
         inputs.append(var)
-    with lw.builder.function("step"):
+    with lw.builder.function(name):
         with lw.builder.dataflow():
             for value, var in zip(graph.inputs, inputs, strict=True):
                 if value.name in PADDED_INPUTS:
@@ -444,4 +458,36 @@ def lower_graph(
             result = lw.builder.emit_output(lw.values[output.name])
         params = [lw.params[(spec.source, spec.transform)] for spec in lw.param_specs]
         lw.builder.emit_func_output(result, params=[*inputs, *params])
-    return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins)
+
+
+def lower_graph(
+    graph: Graph,
+    target_kind: str,
+    schedule: Schedule,
+    decode: bool = False,
+    decode_kernels: DecodeKernels | None = None,
+) -> LoweredStep:
+    """`step` (symbolic row blocks); with `decode`, also `decode` (one block of token and logits rows),
+    which uses `decode_kernels`' kernel where it gives one and the generic kernel otherwise."""
+    problems = unsupported_nodes(graph)
+    if problems:
+        raise BackendError(problems[0], hint="use the reference backend for this model, or add a lowering")
+    lw = Lowerer(graph, target_kind, schedule)
+    _lower_function(lw, "step", None)
+    functions = ["step"]
+    if decode:
+        # fresh Relax vars and dims (a var may not be shared by two functions), shared kernels
+        decode_lw = Lowerer(
+            graph,
+            target_kind,
+            schedule,
+            builder=lw.builder,
+            kernels=lw.kernels,
+            kernel_origins=lw.kernel_origins,
+            decode_kernels=decode_kernels,
+        )
+        _lower_function(decode_lw, "decode", DECODE_BLOCKS)
+        if decode_lw.param_specs != lw.param_specs:
+            raise BackendError("tvm: `decode` and `step` lowered to different weight parameters")
+        functions.append("decode")
+    return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins, functions)
