@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 PEERS := .venv-peers
 
-.PHONY: setup model test test-fast lint serve bench bench-peers clean
+.PHONY: setup model test test-fast lint serve bench bench-peers bench-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,13 @@ $(PEERS)/.installed: pyproject.toml
 
 bench-peers: model $(PEERS)/.installed
 	$(PEERS)/bin/python bench/peers.py
+
+# Every backend and llama.cpp side by side (docs/benchmarks.md); artifacts are compiled once into
+# $KILN_HOME/bench-compare. The llama.cpp row needs .venv-peers (make bench-peers), n/a without it.
+# More flags: make bench-compare COMPARE_ARGS="--skip ort ort-int4 --repeats 5"
+COMPARE_ARGS ?=
+bench-compare: model
+	$(BIN)/python bench/compare.py --model $(MODEL) $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache

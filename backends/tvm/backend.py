@@ -48,6 +48,13 @@ class TVMBackend:
 
             if not is_valid_mcpu(target.detail):
                 return f"LLVM does not know the CPU {target.detail!r} (target {target.name})"
+        if target.kind == "cuda":
+            from kiln.backends.tvm.cuda import find_nvcc
+
+            try:
+                find_nvcc()
+            except BackendError as error:
+                return f"{error} (target {target.name})"
         return None
 
     def compile(
