@@ -18,7 +18,7 @@ import torch
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable, KVCacheSpec
 from kiln.backends.targets import Target
 from kiln.backends.tvm.cpu_features import missing_features
-from kiln.backends.tvm.executable import TVMExecutable, kv_spec_from, set_threads
+from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads
 from kiln.ir import Program
 
 LIBRARY = "step.so"
@@ -76,6 +76,7 @@ class TVMBackend:
         executable = cpu.build_cpu(lowered.module, llvm)
         executable.export_library(str(folder / LIBRARY))
         description = {
+            "abi": STEP_ABI,
             "device": "cpu",
             "mcpu": cpu.target_mcpu(target),
             "cpu_features": cpu.required_features(llvm),
@@ -93,9 +94,16 @@ class TVMBackend:
 
     def _description(self, folder: Path) -> dict[str, Any]:
         try:
-            return json.loads((folder / DESCRIPTION).read_text())
+            description = json.loads((folder / DESCRIPTION).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise BackendError(f"{folder / DESCRIPTION}: cannot read it ({error})") from None
+        if description.get("abi") != STEP_ABI:
+            raise BackendError(
+                f"{folder}: compiled for step calling convention {description.get('abi')}, this kiln "
+                f"calls convention {STEP_ABI}",
+                hint="compile the model again with this version of kiln",
+            )
+        return description
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         description = self._description(folder)

@@ -27,6 +27,7 @@ from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
 from kiln.backends.targets import Target
+from kiln.backends.tvm.executable import STEP_ABI
 from kiln.ir import Program, graph_to_json
 
 LIBRARY = "step.so"
@@ -156,6 +157,7 @@ def compile_cuda(
         "(lazily, at the first call); not exercised on a GPU yet",
     }
     description = {
+        "abi": STEP_ABI,
         "device": "cuda",
         "gpu_arch": arch,
         "device_code": {

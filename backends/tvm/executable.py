@@ -21,6 +21,10 @@ from kiln.backends.tvm.layouts import apply_layout
 from kiln.ir import DTYPES, StepInputs
 
 ROW_BLOCK = 4
+# The calling convention of the compiled functions; an artifact of another one is refused at load.
+# 2: (token_ids[tq,4], positions, slot_mapping, block_tables, seq_lens, query_start_loc,
+#     logits_indices[lq,4], kv_cache, row_counts[2], *weights)
+STEP_ABI = 2
 ALIGNMENT = 64
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
@@ -131,6 +135,7 @@ class TVMExecutable:
         if kv_cache.dtype != self.kv_cache_spec.dtype:
             raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
         num_logits = inputs.logits_indices.shape[0]
+        row_counts = torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64)
         args = [
             _pad_rows(inputs.token_ids, 0),
             _pad_rows(inputs.positions, 0),
@@ -149,7 +154,10 @@ class TVMExecutable:
         if self.device == "cuda":
             args = [a.to(self.device, non_blocking=True) for a in args]
             kv_cache = self._device_cache(kv_cache) if on_host else kv_cache
+        if self.device == "cuda":
+            row_counts = row_counts.to(self.device)
         packed = [ffi.from_dlpack(aligned(a)) for a in args] + [ffi.from_dlpack(kv_cache)]
+        packed.append(ffi.from_dlpack(row_counts))
         one_block = args[0].shape[0] == 1 and args[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         logits = torch.from_dlpack(function(*packed, *self._weight_args))[:num_logits]

@@ -153,6 +153,9 @@ def _out_sinfo(lw: Lowerer, node: Node, index: int = 0) -> relax.TensorType:
     return lw.sinfo(node.outputs[index].type)
 
 
+ROW_COUNTS = "row_counts"  # int64[2]: the real token rows and logits rows (the rest is padding)
+
+
 def _rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
     """x[..., last] viewed as [q, 4, last]: the row count must be a padded one (T or L based)."""
     leading = node.inputs[0].type.shape[:-1] if node.inputs[0] is not None else ()
@@ -204,6 +207,8 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
     spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
+    leading = x_value.type.shape[0]
+    which = relax.prim_value(tirx.IntImm("int64", 1 if leading == "L" else 0))
     group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
     tile = group_tile or linear_kernels.column_tile(n)
     packed = (
@@ -224,6 +229,8 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             scale_param,
             scale_param if zero_param is None else zero_param,
             unused_bias if bias_arg is None else bias_arg,
+            lw.values[ROW_COUNTS],
+            which,
         ]
         kernel = lw.kernel(
             "qgemm",
@@ -437,6 +444,7 @@ def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
             expected = STEP_INPUT_TYPES.get(value.name, value.type)
             var = relax.Var(value.name, lw.sinfo(expected if value.name != KV_CACHE_INPUT else value.type))
         inputs.append(var)
+    row_counts = relax.Var(ROW_COUNTS, relax.TensorType([2], "int64"))
     with lw.builder.function(name):
         with lw.builder.dataflow():
             for value, var in zip(graph.inputs, inputs, strict=True):
@@ -445,6 +453,7 @@ def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
                     lw.values[value.name] = lw.emit(relax.op.reshape(var, flat))
                 else:
                     lw.values[value.name] = var
+            lw.values[ROW_COUNTS] = row_counts
             for node in graph.nodes:
                 try:
                     results = LOWERINGS[node.op](lw, node)
@@ -457,7 +466,7 @@ def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
             (output,) = graph.outputs
             result = lw.builder.emit_output(lw.values[output.name])
         params = [lw.params[(spec.source, spec.transform)] for spec in lw.param_specs]
-        lw.builder.emit_func_output(result, params=[*inputs, *params])
+        lw.builder.emit_func_output(result, params=[*inputs, row_counts, *params])
 
 
 def lower_graph(

@@ -50,6 +50,8 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
         s_handle: T.handle,
         z_handle: T.handle,
         bias_handle: T.handle,
+        counts_handle: T.handle,
+        which: T.int64,
         y_handle: T.handle,
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -60,6 +62,7 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
         scales = T.match_buffer(s_handle, (strips, groups, tile), stored)
         zeros = T.match_buffer(z_handle, (strips, groups, tile), stored)
         bias = T.match_buffer(bias_handle, (bias_len,), "float32")
+        counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
         y = T.match_buffer(y_handle, (q, 4, n), "float32")
         for jo in T.parallel(strips):
             with T.sblock("strip"):
@@ -71,74 +74,136 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                 high = T.sblock_alloc_buffer((tile,), "float32", scope="local")
                 sums = T.sblock_alloc_buffer((4,), "float32", scope="local")
                 strip = T.sblock_alloc_buffer((k, tile), "float32", scope="local")
+                acc1 = T.sblock_alloc_buffer((tile,), "float32", scope="local")
+                part1 = T.sblock_alloc_buffer((tile,), "float32", scope="local")
+                sum1 = T.sblock_alloc_buffer((1,), "float32", scope="local")
                 if q < T.int64(many_blocks):
                     for a in T.serial(q):
-                        for b in T.unroll(4):
-                            for lane in T.vectorized(tile):
-                                acc[b, lane] = T.float32(0)
-                        for g in T.serial(groups):
+                        if a * 4 + 4 <= counts[which]:
                             for b in T.unroll(4):
                                 for lane in T.vectorized(tile):
-                                    part[b, lane] = T.float32(0)
-                            if four_bit:
-                                for p in T.serial(half):
-                                    for lane in T.vectorized(tile):
-                                        low[lane] = T.Cast("float32", w[jo, g * half + p, lane] & T.uint8(15))
-                                        high[lane] = T.Cast(
-                                            "float32", w[jo, g * half + p, lane] >> T.uint8(4)
-                                        )
-                                    for b in T.unroll(4):
-                                        for lane in T.vectorized(tile):
-                                            part[b, lane] = (
-                                                part[b, lane]
-                                                + x[a, b, g * group + 2 * p] * low[lane]
-                                                + x[a, b, g * group + 2 * p + 1] * high[lane]
-                                            )
-                            else:
-                                for kk in T.serial(group):
-                                    for lane in T.vectorized(tile):
-                                        low[lane] = T.Cast("float32", w[jo, g * group + kk, lane])
-                                    for b in T.unroll(4):
-                                        for lane in T.vectorized(tile):
-                                            part[b, lane] = (
-                                                part[b, lane] + x[a, b, g * group + kk] * low[lane]
-                                            )
-                            if scheme == 2:
+                                    acc[b, lane] = T.float32(0)
+                            for g in T.serial(groups):
                                 for b in T.unroll(4):
                                     for lane in T.vectorized(tile):
-                                        acc[b, lane] = (
-                                            acc[b, lane]
-                                            + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
-                                        )
-                            else:
-                                for b in T.unroll(4):
-                                    sums[b] = T.float32(0)
+                                        part[b, lane] = T.float32(0)
+                                if four_bit:
+                                    for p in T.serial(half):
+                                        for lane in T.vectorized(tile):
+                                            low[lane] = T.Cast(
+                                                "float32", w[jo, g * half + p, lane] & T.uint8(15)
+                                            )
+                                            high[lane] = T.Cast(
+                                                "float32", w[jo, g * half + p, lane] >> T.uint8(4)
+                                            )
+                                        for b in T.unroll(4):
+                                            for lane in T.vectorized(tile):
+                                                part[b, lane] = (
+                                                    part[b, lane]
+                                                    + x[a, b, g * group + 2 * p] * low[lane]
+                                                    + x[a, b, g * group + 2 * p + 1] * high[lane]
+                                                )
+                                else:
                                     for kk in T.serial(group):
-                                        sums[b] = sums[b] + x[a, b, g * group + kk]
-                                if scheme == 0:
+                                        for lane in T.vectorized(tile):
+                                            low[lane] = T.Cast("float32", w[jo, g * group + kk, lane])
+                                        for b in T.unroll(4):
+                                            for lane in T.vectorized(tile):
+                                                part[b, lane] = (
+                                                    part[b, lane] + x[a, b, g * group + kk] * low[lane]
+                                                )
+                                if scheme == 2:
                                     for b in T.unroll(4):
                                         for lane in T.vectorized(tile):
                                             acc[b, lane] = (
                                                 acc[b, lane]
                                                 + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
-                                                + T.Cast("float32", zeros[jo, g, lane]) * sums[b]
                                             )
                                 else:
                                     for b in T.unroll(4):
+                                        sums[b] = T.float32(0)
+                                        for kk in T.serial(group):
+                                            sums[b] = sums[b] + x[a, b, g * group + kk]
+                                    if scheme == 0:
+                                        for b in T.unroll(4):
+                                            for lane in T.vectorized(tile):
+                                                acc[b, lane] = (
+                                                    acc[b, lane]
+                                                    + T.Cast("float32", scales[jo, g, lane]) * part[b, lane]
+                                                    + T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                                )
+                                    else:
+                                        for b in T.unroll(4):
+                                            for lane in T.vectorized(tile):
+                                                acc[b, lane] = acc[b, lane] + T.Cast(
+                                                    "float32", scales[jo, g, lane]
+                                                ) * (
+                                                    part[b, lane]
+                                                    - T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                                )
+                            for b in T.unroll(4):
+                                for lane in T.vectorized(tile):
+                                    if has_bias:
+                                        y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
+                                    else:
+                                        y[a, b, jo * tile + lane] = acc[b, lane]
+                        else:  # the last, partly padded block: only its real rows, one at a time
+                            for b in T.serial(T.max(T.int64(0), T.min(T.int64(4), counts[which] - a * 4))):
+                                for lane in T.vectorized(tile):
+                                    acc1[lane] = T.float32(0)
+                                for g in T.serial(groups):
+                                    for lane in T.vectorized(tile):
+                                        part1[lane] = T.float32(0)
+                                    if four_bit:
+                                        for p in T.serial(half):
+                                            for lane in T.vectorized(tile):
+                                                part1[lane] = (
+                                                    part1[lane]
+                                                    + x[a, b, g * group + 2 * p]
+                                                    * T.Cast(
+                                                        "float32", w[jo, g * half + p, lane] & T.uint8(15)
+                                                    )
+                                                    + x[a, b, g * group + 2 * p + 1]
+                                                    * T.Cast(
+                                                        "float32", w[jo, g * half + p, lane] >> T.uint8(4)
+                                                    )
+                                                )
+                                    else:
+                                        for kk in T.serial(group):
+                                            for lane in T.vectorized(tile):
+                                                part1[lane] = part1[lane] + x[a, b, g * group + kk] * T.Cast(
+                                                    "float32", w[jo, g * group + kk, lane]
+                                                )
+                                    if scheme == 2:
                                         for lane in T.vectorized(tile):
-                                            acc[b, lane] = acc[b, lane] + T.Cast(
-                                                "float32", scales[jo, g, lane]
-                                            ) * (
-                                                part[b, lane]
-                                                - T.Cast("float32", zeros[jo, g, lane]) * sums[b]
+                                            acc1[lane] = (
+                                                acc1[lane]
+                                                + T.Cast("float32", scales[jo, g, lane]) * part1[lane]
                                             )
-                        for b in T.unroll(4):
-                            for lane in T.vectorized(tile):
-                                if has_bias:
-                                    y[a, b, jo * tile + lane] = acc[b, lane] + bias[jo * tile + lane]
-                                else:
-                                    y[a, b, jo * tile + lane] = acc[b, lane]
-
+                                    else:
+                                        sum1[0] = T.float32(0)
+                                        for kk in T.serial(group):
+                                            sum1[0] = sum1[0] + x[a, b, g * group + kk]
+                                        if scheme == 0:
+                                            for lane in T.vectorized(tile):
+                                                acc1[lane] = (
+                                                    acc1[lane]
+                                                    + T.Cast("float32", scales[jo, g, lane]) * part1[lane]
+                                                    + T.Cast("float32", zeros[jo, g, lane]) * sum1[0]
+                                                )
+                                        else:
+                                            for lane in T.vectorized(tile):
+                                                acc1[lane] = acc1[lane] + T.Cast(
+                                                    "float32", scales[jo, g, lane]
+                                                ) * (
+                                                    part1[lane]
+                                                    - T.Cast("float32", zeros[jo, g, lane]) * sum1[0]
+                                                )
+                                for lane in T.vectorized(tile):
+                                    if has_bias:
+                                        y[a, b, jo * tile + lane] = acc1[lane] + bias[jo * tile + lane]
+                                    else:
+                                        y[a, b, jo * tile + lane] = acc1[lane]
                 else:  # many rows: dequantize the strip once, then a float32 4-row micro-kernel
                     for kk in T.serial(k):
                         for lane in T.vectorized(tile):
