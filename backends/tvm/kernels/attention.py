@@ -129,9 +129,17 @@ def attention_kernel(
                                         part[lane] = part[lane] + query[g, ci * lanes + lane] * T.Cast(
                                             "float32", cache[layer, 0, page, offset, kvh, ci * lanes + lane]
                                         )
-                                scores[g, i] = T.float32(0)
-                                for lane in T.serial(lanes):
-                                    scores[g, i] = scores[g, i] + part[lane]
+                                # a tree of halving vector adds, not a chain of `lanes` dependent adds
+                                if lanes == 16:
+                                    for lane in T.vectorized(8):
+                                        part[lane] = part[lane] + part[lane + 8]
+                                if lanes >= 8:
+                                    for lane in T.vectorized(4):
+                                        part[lane] = part[lane] + part[lane + 4]
+                                if lanes >= 4:
+                                    for lane in T.vectorized(2):
+                                        part[lane] = part[lane] + part[lane + 2]
+                                scores[g, i] = part[0] + part[1]
                         for g in T.serial(group):
                             running[g, 2] = running[g, 0]
                             for i in T.serial(count):
