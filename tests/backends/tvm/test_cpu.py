@@ -248,3 +248,22 @@ def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path) -> None:
     assert "libtvm_runtime.so" in report["libraries"]
     assert "libtvm_compiler.so" not in report["libraries"] and not report["tvm_imported"]
     assert report["error"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_tiny_model_matches_the_reference(quantization: str, tmp_path: Path, tvm_compile) -> None:
+    """int4 (4-bit, float zero point) and int8 (per channel) through the hand-written qgemm: its
+    one-row, four-row and many-row (dequantize once) paths all run in the ragged steps."""
+    program = _tiny_program("llama", tmp_path / "hf", opt_level=0)
+    options = PassOptions(quantization=quantization, quantize_lm_head=True)
+    quantized, _ = PassManager(pipeline(2, options)).run(program, options)
+    assert quantized.graph.op_counts()["quantized_linear"] == 2 * 4 + 1
+    tvm = tvm_compile(quantized, tmp_path / "tvm")
+    reference = ReferenceExecutable(quantized.graph, quantized.weights)
+    ours, theirs = _ragged_steps([tvm, reference], torch.Generator().manual_seed(99))
+    for step in range(2):
+        assert _relative_error(ours[step], theirs[step]) < TOLERANCE, (quantization, step)
+    decode = build_step_inputs([SequenceSlice([7], 20, [3, 7])], BLOCK_SIZE)
+    cache_ours, cache_theirs = ours[2], theirs[2]
+    assert _relative_error(tvm.step(decode, cache_ours), reference.step(decode, cache_theirs)) < TOLERANCE
