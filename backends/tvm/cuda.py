@@ -27,6 +27,7 @@ from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
 from kiln.backends.targets import Target
+from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
 from kiln.ir import Program, graph_to_json
 
@@ -177,7 +178,8 @@ def compile_cuda(
             "gpu_arch": arch,
             "device_code": code,
             "cuda_graph": {"enabled": cuda_graph, "captured_regions": len(regions)},
-            "cuda_graph_buckets": [],  # no shape buckets: Relax captures static-shape regions only
+            # Relax captured no static region; decode buckets are captured at run time (cuda_graphs.py)
+            "cuda_graph_buckets": list(DECODE_BUCKETS),
         },
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.ir import DTYPES, StepInputs
 
@@ -118,6 +119,7 @@ class TVMExecutable:
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]
         self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
+        self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs_enabled() else None
 
     def _param(self, spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         source = weights.get(spec["source"])
@@ -131,12 +133,10 @@ class TVMExecutable:
             )
         return aligned(tensor.to(self.device))
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        if kv_cache.dtype != self.kv_cache_spec.dtype:
-            raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
+    def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
+        """The compiled function's input tensors before the cache (rows padded), then `row_counts`."""
         num_logits = inputs.logits_indices.shape[0]
-        row_counts = torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64)
-        args = [
+        return [
             _pad_rows(inputs.token_ids, 0),
             _pad_rows(inputs.positions, 0),
             _pad_rows(inputs.slot_mapping, -1),
@@ -144,23 +144,38 @@ class TVMExecutable:
             aligned(inputs.seq_lens),
             aligned(inputs.query_start_loc),
             _pad_rows(inputs.logits_indices, 0),
+            torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64),
         ]
+
+    def call(self, tensors: list[torch.Tensor], kv_cache: torch.Tensor) -> Any:
+        """Run `decode` (one row block) or `step` on device tensors from `step_tensors`."""
         ffi = self.ffi
+        *inputs, row_counts = tensors
+        packed = [ffi.from_dlpack(aligned(a)) for a in inputs]
+        packed += [ffi.from_dlpack(kv_cache), ffi.from_dlpack(row_counts)]
+        one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
+        function = self.decode_function if one_block and self.decode_function is not None else self.function
+        return function(*packed, *self._weight_args)
+
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        if kv_cache.dtype != self.kv_cache_spec.dtype:
+            raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
         if kv_cache.data_ptr() % ALIGNMENT or not kv_cache.is_contiguous():
             raise BackendError(
                 "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
             )
+        num_logits = inputs.logits_indices.shape[0]
         on_host = kv_cache.device.type == "cpu"
         if self.device == "cuda":
-            args = [a.to(self.device, non_blocking=True) for a in args]
             kv_cache = self._device_cache(kv_cache) if on_host else kv_cache
-        if self.device == "cuda":
-            row_counts = row_counts.to(self.device)
-        packed = [ffi.from_dlpack(aligned(a)) for a in args] + [ffi.from_dlpack(kv_cache)]
-        packed.append(ffi.from_dlpack(row_counts))
-        one_block = args[0].shape[0] == 1 and args[6].shape[0] == 1
-        function = self.decode_function if one_block and self.decode_function is not None else self.function
-        logits = torch.from_dlpack(function(*packed, *self._weight_args))[:num_logits]
+            if self.graphs is not None:
+                replayed = self.graphs.run(self, inputs, kv_cache)
+                if replayed is not None:
+                    return replayed.to("cpu" if on_host else replayed.device, torch.float32)
+            tensors = [t.to(self.device, non_blocking=True) for t in self.step_tensors(inputs)]
+        else:
+            tensors = self.step_tensors(inputs)
+        logits = torch.from_dlpack(self.call(tensors, kv_cache))[:num_logits]
         return logits.to("cpu" if on_host else logits.device, torch.float32)
 
     def _device_cache(self, host_cache: torch.Tensor) -> torch.Tensor:

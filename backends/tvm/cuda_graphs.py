@@ -1,0 +1,120 @@
+"""Decode steps on a GPU replayed as CUDA graphs, one per decode bucket.
+
+A decode step (every sequence computes one token and wants its logits) is padded to a bucket of
+sequences (1, 4, 16, 64) and its block tables to a power-of-two width: empty sequences own no query
+rows, so their rows are zeros and their logits are dropped. The first step of a bucket runs once to
+warm the VM's memory pool, then is captured into a `torch.cuda.CUDAGraph` through
+`tvm_ffi.use_torch_stream`; later steps of that bucket copy their inputs into the captured buffers
+and replay it. The KV cache must stay the same tensor (it is part of the key). Any capture failure
+turns graphs off for the executable, with a warning, and steps run as plain calls.
+
+Written without a GPU: `pad_decode` is tested on the CPU (padded and unpadded steps give the same
+logits); capture and replay have never run. KILN_CUDA_GRAPHS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kiln.ir import StepInputs
+
+DECODE_BUCKETS = (1, 4, 16, 64)
+
+
+def cuda_graphs_enabled() -> bool:
+    return os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
+
+
+def decode_bucket(inputs: StepInputs) -> int | None:
+    """The bucket of a decode step (one token and one logits row per sequence), None otherwise."""
+    sequences = inputs.seq_lens.shape[0]
+    if inputs.token_ids.shape[0] != sequences or inputs.logits_indices.shape[0] != sequences:
+        return None
+    ones = torch.arange(sequences + 1, dtype=torch.int64)
+    if not torch.equal(inputs.query_start_loc.cpu(), ones):
+        return None
+    return next((bucket for bucket in DECODE_BUCKETS if bucket >= sequences), None)
+
+
+def table_width(blocks: int) -> int:
+    return 1 << max(0, (blocks - 1).bit_length())
+
+
+def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
+    """The step with `bucket` sequences and block tables `width` wide; the extra sequences are empty."""
+    sequences = inputs.seq_lens.shape[0]
+    extra = bucket - sequences
+
+    def padded(tensor: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat((tensor, torch.full((extra,), fill, dtype=tensor.dtype, device=tensor.device)))
+
+    tables = torch.zeros((bucket, width), dtype=torch.int64, device=inputs.block_tables.device)
+    tables[:sequences, : inputs.block_tables.shape[1]] = inputs.block_tables
+    starts = torch.cat(
+        (
+            inputs.query_start_loc,
+            torch.full((extra,), sequences, dtype=torch.int64, device=inputs.query_start_loc.device),
+        )
+    )
+    return replace(
+        inputs,
+        token_ids=padded(inputs.token_ids, 0),
+        positions=padded(inputs.positions, 0),
+        slot_mapping=padded(inputs.slot_mapping, -1),
+        block_tables=tables,
+        seq_lens=padded(inputs.seq_lens, 0),
+        query_start_loc=starts,
+        logits_indices=torch.arange(bucket, dtype=torch.int64, device=inputs.logits_indices.device),
+    )
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    tensors: list[torch.Tensor]  # the captured input buffers, refilled before each replay
+    logits: torch.Tensor  # the captured output buffer
+
+
+class DecodeGraphs:
+    def __init__(self) -> None:
+        self.captured: dict[tuple[int, int, int], _Captured] = {}
+        self.enabled = True
+
+    def run(self, executable: Any, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """Logits of a decode step by graph replay; None when the step is not a decode bucket."""
+        bucket = decode_bucket(inputs)
+        if not self.enabled or bucket is None:
+            return None
+        width = table_width(inputs.block_tables.shape[1])
+        padded = pad_decode(inputs, bucket, width)
+        host = executable.step_tensors(padded)
+        key = (bucket, width, kv_cache.data_ptr())
+        entry = self.captured.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(executable, host, kv_cache)
+            except Exception as error:  # a driver or TVM refusal: run without graphs from now on
+                warnings.warn(f"CUDA graph capture failed, running without graphs: {error}", stacklevel=2)
+                self.enabled = False
+                return None
+            self.captured[key] = entry
+        for buffer, tensor in zip(entry.tensors, host, strict=True):
+            buffer.copy_(tensor, non_blocking=True)
+        entry.graph.replay()
+        return entry.logits[: inputs.seq_lens.shape[0]]
+
+    @staticmethod
+    def _capture(executable: Any, host: list[torch.Tensor], kv_cache: torch.Tensor) -> _Captured:
+        tensors = [t.to(kv_cache.device) for t in host]
+        executable.call(tensors, kv_cache)  # warm-up: the VM's pool holds every buffer the step needs
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with executable.ffi.use_torch_stream(torch.cuda.graph(graph)):
+            logits = torch.from_dlpack(executable.call(tensors, kv_cache))
+        torch.cuda.synchronize()
+        return _Captured(graph, tensors, logits)
