@@ -64,6 +64,17 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
         bias = T.match_buffer(bias_handle, (bias_len,), "float32")
         counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
         y = T.match_buffer(y_handle, (q, 4, n), "float32")
+        group_sums = T.sblock_alloc_buffer((q, 4, groups), "float32")  # sum of x over each group
+        if scheme != 2:  # once per call, not once per strip
+            for a in T.serial(q):
+                with T.sblock("group_sums"):
+                    T.reads()
+                    T.writes()
+                    for b in T.serial(4):
+                        for g in T.serial(groups):
+                            group_sums[a, b, g] = T.float32(0)
+                            for kk in T.serial(group):
+                                group_sums[a, b, g] = group_sums[a, b, g] + x[a, b, g * group + kk]
         for jo in T.parallel(strips):
             with T.sblock("strip"):
                 T.reads()
@@ -121,9 +132,7 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                                             )
                                 else:
                                     for b in T.unroll(4):
-                                        sums[b] = T.float32(0)
-                                        for kk in T.serial(group):
-                                            sums[b] = sums[b] + x[a, b, g * group + kk]
+                                        sums[b] = group_sums[a, b, g]
                                     if scheme == 0:
                                         for b in T.unroll(4):
                                             for lane in T.vectorized(tile):
@@ -181,9 +190,7 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                                                 + T.Cast("float32", scales[jo, g, lane]) * part1[lane]
                                             )
                                     else:
-                                        sum1[0] = T.float32(0)
-                                        for kk in T.serial(group):
-                                            sum1[0] = sum1[0] + x[a, b, g * group + kk]
+                                        sum1[0] = group_sums[a, b, g]
                                         if scheme == 0:
                                             for lane in T.vectorized(tile):
                                                 acc1[lane] = (
