@@ -9,16 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models
 
 from kiln.backends.base import BackendError, CompileSettings
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
-from kiln.frontend.capture import capture_weights
-from kiln.frontend.load import load_model
-from kiln.ir import Program
 from kiln.passes import PassManager, PassOptions, pipeline
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
@@ -29,98 +24,21 @@ from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 TOLERANCE = 1e-4  # max |tvm - reference| / max |reference|
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
-TINY_MODELS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
-    "llama3_rope": (
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-            "rope_theta": 500000.0,
-        },
-    ),
-    "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-}
 
 
 def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def _tiny_program(kind: str, path: Path, opt_level: int) -> Program:
-    config_cls, model_cls, extra = TINY_MODELS[kind]
-    torch.manual_seed(0)
-    model = model_cls._from_config(config_cls(**{**COMMON, **extra}), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path)
-    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 256)}}
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
-    ).save_pretrained(path)
-    source = load_model(str(path))
-    captured = capture_weights(source.config, source.float_weights())
-    program, _ = PassManager(pipeline(opt_level, PassOptions())).run(
-        Program(captured.graph, captured.weights)
-    )
-    return program
-
-
-def _ragged_steps(executables: list, generator: torch.Generator) -> list[list[torch.Tensor]]:
-    """Two steps over non-contiguous blocks: prefills, then a decode, a fresh prefill and a chunk
-    continuing across block boundaries; each executable's logits per step, and its final cache."""
-    tokens = {
-        name: torch.randint(1, 256, (n,), generator=generator).tolist()
-        for name, n in (("a", 21), ("b", 35), ("c", 35))
-    }
-    tables = {"a": [3, 7], "b": [1, 5, 9], "c": [2, 8, 4]}
-    first = build_step_inputs(
-        [SequenceSlice(tokens["a"][:20], 0, tables["a"]), SequenceSlice(tokens["c"][:10], 0, tables["c"])],
-        BLOCK_SIZE,
-    )
-    second = build_step_inputs(
-        [
-            SequenceSlice(tokens["a"][20:], 20, tables["a"]),
-            SequenceSlice(tokens["b"], 0, tables["b"]),
-            SequenceSlice(tokens["c"][10:], 10, tables["c"]),
-        ],
-        BLOCK_SIZE,
-    )
-    results = []
-    for executable in executables:
-        cache = executable.kv_cache_spec.allocate(10, BLOCK_SIZE)
-        results.append([executable.step(first, cache), executable.step(second, cache), cache])
-    return results
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
-def test_tiny_models_match_the_reference(kind: str, tmp_path: Path, tvm_compile) -> None:
-    program = _tiny_program(kind, tmp_path / "hf", opt_level=2)
+def test_tiny_models_match_the_reference(
+    tiny_kind: str, tmp_path: Path, tvm_compile, make_tiny_program, ragged_run
+) -> None:
+    kind = tiny_kind
+    program = make_tiny_program(kind, tmp_path / "hf", opt_level=2)
     tvm = tvm_compile(program, tmp_path / "tvm")
     reference = ReferenceExecutable(program.graph, program.weights)
-    ours, theirs = _ragged_steps([tvm, reference], torch.Generator().manual_seed(1234))
+    ours, theirs = ragged_run([tvm, reference], 1234)
     for step in range(2):
         assert ours[step].shape == theirs[step].shape
         assert _relative_error(ours[step], theirs[step]) < TOLERANCE, (kind, step)
@@ -178,16 +96,16 @@ def test_engine_batch_invariance_on_tvm(smollm2_o2, smollm2_tvm) -> None:
     assert cramped.scheduler.num_preemptions > 0
 
 
-def test_unlowerable_node_names_the_op_and_model_line(tmp_path: Path) -> None:
-    program = _tiny_program("llama", tmp_path / "hf", opt_level=0)
+def test_unlowerable_node_names_the_op_and_model_line(tmp_path: Path, make_tiny_program) -> None:
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
     options = PassOptions(quantization="int4", dtype="f16")  # f16 activations into int4: no kernel here
     half, _ = PassManager(pipeline(2, options)).run(program, options)
     with pytest.raises(BackendError, match=r"quantized_linear.*frontend/models/llama\.py:\d+"):
         TVMBackend().compile(half, Target("cpu"), tmp_path / "tvm", CompileSettings())
 
 
-def test_foreign_cpu_features_are_refused_at_load(tmp_path: Path, tvm_compile) -> None:
-    program = _tiny_program("llama", tmp_path / "hf", opt_level=0)
+def test_foreign_cpu_features_are_refused_at_load(tmp_path: Path, tvm_compile, make_tiny_program) -> None:
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
     tvm_compile(program, tmp_path / "tvm")
     description = json.loads((tmp_path / "tvm" / "step.json").read_text())
     description["cpu_features"].append("avx9000")
@@ -201,8 +119,8 @@ def test_unknown_mcpu_is_refused_before_compiling() -> None:
     assert TVMBackend().unsupported(Target("cpu")) is None
 
 
-def test_compile_settings_threads_are_recorded(tmp_path: Path) -> None:
-    program = _tiny_program("llama", tmp_path / "hf", opt_level=2)
+def test_compile_settings_threads_are_recorded(tmp_path: Path, make_tiny_program) -> None:
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=2)
     code = TVMBackend().compile(program, Target("cpu"), tmp_path / "tvm", CompileSettings(num_threads=1))
     assert code.manifest["num_threads"] == 1
     assert set(code.kernels.values()) <= {"templated", "hand-written TIR", "tuned"}
@@ -223,13 +141,13 @@ print(json.dumps({"libraries": libraries, "tvm_imported": "tvm" in sys.modules,
 
 
 @pytest.mark.slow
-def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path) -> None:
+def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path, tiny_hf) -> None:
     import subprocess
     import sys
 
     from kiln.cli import main
 
-    _tiny_program("qwen2", tmp_path / "hf", opt_level=0)
+    tiny_hf("qwen2", tmp_path / "hf")
     assert (
         main(["compile", str(tmp_path / "hf"), "--backend", "tvm", "-o", str(tmp_path / "art"), "--quiet"])
         == 0
@@ -252,16 +170,18 @@ def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_quantized_tiny_model_matches_the_reference(quantization: str, tmp_path: Path, tvm_compile) -> None:
+def test_quantized_tiny_model_matches_the_reference(
+    quantization: str, tmp_path: Path, tvm_compile, make_tiny_program, ragged_run
+) -> None:
     """int4 (4-bit, float zero point) and int8 (per channel) through the hand-written qgemm: its
     one-row, four-row and many-row (dequantize once) paths all run in the ragged steps."""
-    program = _tiny_program("llama", tmp_path / "hf", opt_level=0)
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
     options = PassOptions(quantization=quantization, quantize_lm_head=True)
     quantized, _ = PassManager(pipeline(2, options)).run(program, options)
     assert quantized.graph.op_counts()["quantized_linear"] == 2 * 4 + 1
     tvm = tvm_compile(quantized, tmp_path / "tvm")
     reference = ReferenceExecutable(quantized.graph, quantized.weights)
-    ours, theirs = _ragged_steps([tvm, reference], torch.Generator().manual_seed(99))
+    ours, theirs = ragged_run([tvm, reference], 99)
     for step in range(2):
         assert _relative_error(ours[step], theirs[step]) < TOLERANCE, (quantization, step)
     decode = build_step_inputs([SequenceSlice([7], 20, [3, 7])], BLOCK_SIZE)

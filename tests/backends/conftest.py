@@ -1,0 +1,148 @@
+"""What every backend's tests compare on: tiny random-weight HF models of each supported architecture
+(made with transformers, saved with `save_pretrained`, loaded back through our HF loader) and one
+ragged batch of 3 sequences mixing decode, a fresh prefill and a chunked prefill over non-contiguous
+blocks of 16, prompts crossing block boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models
+
+from kiln.backends.base import Executable
+from kiln.frontend.capture import capture_weights
+from kiln.frontend.load import load_model
+from kiln.ir import Program, StepInputs
+from kiln.passes import PassManager, PassOptions, pipeline
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+BLOCK_SIZE = 16
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+TINY_MODELS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "llama3_rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+}
+
+# The ragged batch: step 1 prefills a[:20] and c[:10]; step 2 decodes a, prefills b from scratch and
+# continues c across two block boundaries.
+RAGGED_LENGTHS = {"a": 21, "b": 35, "c": 35}
+RAGGED_TABLES = {"a": [3, 7], "b": [1, 5, 9], "c": [2, 8, 4]}
+RAGGED_CACHE_BLOCKS = 10
+
+
+def save_tiny_hf(kind: str, path: Path) -> torch.nn.Module:
+    """A random-weight transformers model of `kind`, saved with its tokenizer at `path`."""
+    config_cls, model_cls, extra = TINY_MODELS[kind]
+    torch.manual_seed(0)
+    model = model_cls._from_config(config_cls(**{**COMMON, **extra}), attn_implementation="eager").eval()
+    with torch.no_grad():  # biases and norm weights start at 0 and 1: make them random too
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 256)}}
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    ).save_pretrained(path)
+    return model
+
+
+def tiny_program(kind: str, path: Path, opt_level: int | None = None) -> Program:
+    """The tiny model of `kind` saved at `path`, loaded and captured; then pipeline O`opt_level`, if given."""
+    save_tiny_hf(kind, path)
+    source = load_model(str(path))
+    captured = capture_weights(source.config, source.float_weights())
+    program = Program(captured.graph, captured.weights)
+    if opt_level is None:
+        return program
+    return PassManager(pipeline(opt_level, PassOptions())).run(program)[0]
+
+
+def ragged_inputs(seed: int) -> tuple[dict[str, list[int]], StepInputs, StepInputs]:
+    """(the three sequences' tokens, step 1, step 2) of the ragged batch."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = {
+        name: torch.randint(1, 256, (n,), generator=generator).tolist() for name, n in RAGGED_LENGTHS.items()
+    }
+    first = build_step_inputs(
+        [
+            SequenceSlice(tokens["a"][:20], 0, RAGGED_TABLES["a"]),
+            SequenceSlice(tokens["c"][:10], 0, RAGGED_TABLES["c"]),
+        ],
+        BLOCK_SIZE,
+    )
+    second = build_step_inputs(
+        [
+            SequenceSlice(tokens["a"][20:], 20, RAGGED_TABLES["a"]),
+            SequenceSlice(tokens["b"], 0, RAGGED_TABLES["b"]),
+            SequenceSlice(tokens["c"][10:], 10, RAGGED_TABLES["c"]),
+        ],
+        BLOCK_SIZE,
+    )
+    return tokens, first, second
+
+
+def run_ragged(executables: list[Executable], seed: int) -> list[list[torch.Tensor]]:
+    """Both steps of the ragged batch on each executable: [step 1 logits, step 2 logits, final cache]."""
+    _, first, second = ragged_inputs(seed)
+    results = []
+    for executable in executables:
+        cache = executable.kv_cache_spec.allocate(RAGGED_CACHE_BLOCKS, BLOCK_SIZE)
+        results.append([executable.step(first, cache), executable.step(second, cache), cache])
+    return results
+
+
+@pytest.fixture(params=sorted(TINY_MODELS))
+def tiny_kind(request: pytest.FixtureRequest) -> str:
+    """Each tiny architecture in turn."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_hf() -> Callable[[str, Path], torch.nn.Module]:
+    return save_tiny_hf
+
+
+@pytest.fixture(scope="session")
+def make_tiny_program() -> Callable[..., Program]:
+    return tiny_program
+
+
+@pytest.fixture(scope="session")
+def ragged() -> Callable[[int], tuple[dict[str, list[int]], StepInputs, StepInputs]]:
+    return ragged_inputs
+
+
+@pytest.fixture(scope="session")
+def ragged_run() -> Callable[[list[Executable], int], list[list[torch.Tensor]]]:
+    return run_ragged
