@@ -8,27 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.backends.base import BackendError, CompileSettings
 from kiln.backends.targets import Target, host_gpu_arch
 from kiln.backends.tvm import cuda
-from kiln.frontend.config import ModelConfig
 from kiln.ir import Program
-
-TINY_CONFIG = ModelConfig(  # the tiny Llama of tests/runtime/conftest.py
-    architecture="LlamaForCausalLM",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-)
 
 
 def _has_nvcc() -> bool:
@@ -42,23 +26,9 @@ def _has_nvcc() -> bool:
 needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="CUDA targets need nvcc (the CUDA toolkit)")
 
 
-def tiny_program() -> Program:
-    from kiln.frontend.capture import capture_weights
-    from kiln.frontend.models import model_class
-    from kiln.passes import PassManager, PassOptions, pipeline
-
-    with torch.device("meta"):
-        shapes = model_class(TINY_CONFIG)(TINY_CONFIG).state_dict()
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
-    captured = capture_weights(TINY_CONFIG, weights)
-    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
-    return program
-
-
 @pytest.fixture(scope="module")
-def tiny_builds(tmp_path_factory) -> dict[str, tuple[Path, object]]:
-    program = tiny_program()
+def tiny_builds(tmp_path_factory, tiny_llama_program: Program) -> dict[str, tuple[Path, object]]:
+    program = tiny_llama_program
     builds = {}
     for arch in ("sm_87", "sm_90"):
         folder = tmp_path_factory.mktemp("tiny") / arch

@@ -8,36 +8,14 @@ import pytest
 import torch
 
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS, decode_bucket, pad_decode, table_width
-from kiln.frontend.capture import capture_weights
-from kiln.frontend.config import ModelConfig
-from kiln.frontend.models import model_class
-from kiln.ir import Program
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_tvm(tmp_path_factory, tvm_compile):
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-    )
-    with torch.device("meta"):
-        shapes = model_class(config)(config).state_dict()
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
-    captured = capture_weights(config, weights)
-    return tvm_compile(Program(captured.graph, captured.weights), tmp_path_factory.mktemp("tvm"))
+def tiny_tvm(tmp_path_factory, tvm_compile, tiny_llama_program):
+    return tvm_compile(tiny_llama_program, tmp_path_factory.mktemp("tvm"))
 
 
 def test_buckets_and_widths() -> None:

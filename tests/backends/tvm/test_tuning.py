@@ -11,53 +11,24 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.backends.base import CompileSettings
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm import cpu, tuning
 from kiln.backends.tvm.backend import TVMBackend
-from kiln.frontend.capture import capture_weights
-from kiln.frontend.config import ModelConfig
-from kiln.frontend.models import model_class
 from kiln.ir import Program
-from kiln.passes import PassManager, PassOptions, pipeline
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 16
-TINY_CONFIG = ModelConfig(  # tests/runtime/conftest.py's tiny Llama
-    architecture="LlamaForCausalLM",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-)
 
 
 @pytest.fixture(scope="module")
-def tiny_program() -> Program:
-    with torch.device("meta"):
-        shapes = model_class(TINY_CONFIG)(TINY_CONFIG).state_dict()
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
-    captured = capture_weights(TINY_CONFIG, weights)
-    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
-    return program
-
-
-@pytest.fixture(scope="module")
-def tuned_logs(tiny_program: Program, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def tuned_logs(tiny_llama_program: Program, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """Logs with one tuned kernel (the plain RMSNorm, 4 trials, kept even if slower); its folder name."""
     logs = tmp_path_factory.mktemp("tuning_logs")
-    workloads = tuning.decode_workloads(tiny_program.graph)
+    workloads = tuning.decode_workloads(tiny_llama_program.graph)
     assert {w.kind for w in workloads} == {"rms_norm", "linear", "rope"}
     assert len({w.digest for w in workloads}) == len(workloads)
     workload = next(w for w in workloads if w.kind == "rms_norm")
@@ -92,7 +63,7 @@ def _folder(logs: Path, digest: str) -> Path:
     return logs / tuning.target_folder(cpu.llvm_target(Target("cpu"))) / digest
 
 
-def test_tuned_kernel_is_used_by_decode(tiny_program: Program, tuned_logs, tmp_path: Path) -> None:
+def test_tuned_kernel_is_used_by_decode(tiny_llama_program: Program, tuned_logs, tmp_path: Path) -> None:
     logs, digest = tuned_logs
     folder = _folder(logs, digest)
     assert sorted(p.name for p in folder.iterdir()) == sorted([tuning.META, *tuning.DATABASE_FILES])
@@ -101,24 +72,24 @@ def test_tuned_kernel_is_used_by_decode(tiny_program: Program, tuned_logs, tmp_p
     assert meta["workload_sha256"].startswith(digest) and meta["trials"] == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error", tuning.TuningLogWarning)
-        code, executable = _compile(tiny_program, tmp_path / "tvm", logs)
+        code, executable = _compile(tiny_llama_program, tmp_path / "tvm", logs)
     tuned = [name for name, origin in code.kernels.items() if origin == "tuned"]
     assert len(tuned) == 1 and tuned[0].startswith("rms_norm_decode")
     assert json.loads((tmp_path / "tvm" / "step.json").read_text())["functions"] == ["step", "decode"]
     assert executable.decode_function is not None
-    assert max(_decode_and_prefill_errors(tiny_program, executable)) < TOLERANCE
+    assert max(_decode_and_prefill_errors(tiny_llama_program, executable)) < TOLERANCE
 
 
-def test_no_logs_shares_generic_kernels(tiny_program: Program, tmp_path: Path) -> None:
-    code, executable = _compile(tiny_program, tmp_path / "tvm", None)
+def test_no_logs_shares_generic_kernels(tiny_llama_program: Program, tmp_path: Path) -> None:
+    code, executable = _compile(tiny_llama_program, tmp_path / "tvm", None)
     assert "tuned" not in code.kernels.values()
     assert not any("decode" in name for name in code.kernels)  # decode calls the step's kernels
-    assert max(_decode_and_prefill_errors(tiny_program, executable)) < TOLERANCE
+    assert max(_decode_and_prefill_errors(tiny_llama_program, executable)) < TOLERANCE
 
 
 @pytest.mark.parametrize("damage", ["layout_version", "tvm_version", "corrupt_database"])
 def test_unusable_logs_are_skipped_with_a_warning(
-    tiny_program: Program, tuned_logs, tmp_path: Path, damage: str
+    tiny_llama_program: Program, tuned_logs, tmp_path: Path, damage: str
 ) -> None:
     logs, digest = tuned_logs
     copy = tmp_path / "logs"
@@ -133,7 +104,7 @@ def test_unusable_logs_are_skipped_with_a_warning(
         (folder / tuning.META).write_text(json.dumps(meta))
         expected = "layout version 999" if damage == "layout_version" else "tuned with TVM 0.0.1"
     with pytest.warns(tuning.TuningLogWarning, match=expected):
-        code, _ = _compile(tiny_program, tmp_path / "tvm", copy)
+        code, _ = _compile(tiny_llama_program, tmp_path / "tvm", copy)
     assert "tuned" not in code.kernels.values()
 
 
