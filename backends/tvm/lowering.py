@@ -293,7 +293,7 @@ def _rope_call(
 ) -> relax.Expr:
     heads, head_dim = int(x_type.shape[1]), int(x_type.shape[2])
     inv_freq = rope_inv_freq(head_dim, **attrs).numpy()
-    table = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    table = rowwise.rope_tables(head_dim, inv_freq)
     kernel = lw.kernel(
         "rope",
         (heads, head_dim, x_type.dtype),
