@@ -143,3 +143,42 @@ def gguf_writers() -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(write=write_tokenizer_gguf, sentencepiece_vocab=sentencepiece_vocab)
+
+
+def _check_batch_invariance(executable: Any, tokenizer: Any, model_id: str = "model") -> None:
+    """16 greedy requests (5 .. 140 prompt tokens, crossing block and chunk boundaries) give the same
+    tokens one at a time, all batched with chunked prefill, and in a 24-block cache where preemption
+    must happen (both asserted)."""
+    import torch
+
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.scheduler import SchedulerConfig
+
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(100, 49000, (5 + 9 * i,), generator=generator).tolist() for i in range(16)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def engine(num_blocks: int = 256) -> LLMEngine:
+        config = EngineConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(16, 64))
+        return LLMEngine(executable, tokenizer, model_id, 2048, config)
+
+    def run(target: LLMEngine, batch: list[list[int]]) -> dict[str, list[int]]:
+        for i, prompt in enumerate(batch):
+            target.add_request(f"r{i}", prompt, greedy)
+        return {o.request_id: o.outputs[0].token_ids for o in target.run_to_completion()}
+
+    alone = {f"r{i}": run(engine(), [prompt])["r0"] for i, prompt in enumerate(prompts)}
+    together = engine()
+    assert run(together, prompts) == alone
+    assert together.stats.num_steps < sum(len(p) for p in prompts)  # prompts really were batched
+    cramped = engine(num_blocks=24)  # 23 usable blocks of 16 tokens for 16 requests
+    assert run(cramped, prompts) == alone
+    assert cramped.scheduler.num_preemptions > 0
+
+
+@pytest.fixture(scope="session")
+def check_batch_invariance() -> Any:
+    """The runtime's batch-invariance check, for any executable (see `_check_batch_invariance`)."""
+    return _check_batch_invariance

@@ -10,8 +10,6 @@ from kiln.runtime.engine import LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
 
 def _engine(built, num_blocks: int = 256, max_num_seqs: int = 16, budget: int = 64) -> LLMEngine:
     config = EngineConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(max_num_seqs, budget))
@@ -31,18 +29,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
 
 
 @pytest.mark.slow
-def test_batch_invariance_with_chunked_prefill_and_preemption(smollm2_o2) -> None:
-    prompts = _prompts(16)
-    alone = {}
-    for i, prompt in enumerate(prompts):
-        alone |= {f"r{i}": _run(_engine(smollm2_o2), [prompt], GREEDY)["r0"]}
-    together = _engine(smollm2_o2)
-    assert _run(together, prompts, GREEDY) == alone
-    assert together.stats.num_steps < sum(len(p) for p in prompts)  # prompts really were batched
-
-    cramped = _engine(smollm2_o2, num_blocks=24)  # 23 usable blocks of 16 tokens for 16 requests
-    assert _run(cramped, prompts, GREEDY) == alone
-    assert cramped.scheduler.num_preemptions > 0
+def test_batch_invariance_with_chunked_prefill_and_preemption(smollm2_o2, check_batch_invariance) -> None:
+    check_batch_invariance(smollm2_o2.executable, smollm2_o2.tokenizer, smollm2_o2.model_id)
 
 
 @pytest.mark.slow

@@ -15,11 +15,7 @@ from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.passes import PassManager, PassOptions, pipeline
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.engine import LLMEngine
 from kiln.runtime.greedy import greedy_generate
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
@@ -73,27 +69,8 @@ def test_smollm2_gguf_blocks_match_the_reference(smollm2_q4_1, tmp_path: Path, t
 
 
 @pytest.mark.slow
-def test_engine_batch_invariance_on_tvm(smollm2_o2, smollm2_tvm) -> None:
-    generator = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(100, 49000, (5 + 9 * i,), generator=generator).tolist() for i in range(16)]
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-    def engine(num_blocks: int = 256) -> LLMEngine:
-        config = EngineConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(16, 64))
-        return LLMEngine(smollm2_tvm, smollm2_o2.tokenizer, "tvm", 2048, config)
-
-    def run(target: LLMEngine, batch: list[list[int]]) -> dict[str, list[int]]:
-        for i, prompt in enumerate(batch):
-            target.add_request(f"r{i}", prompt, greedy)
-        return {o.request_id: o.outputs[0].token_ids for o in target.run_to_completion()}
-
-    alone = {f"r{i}": run(engine(), [prompt])["r0"] for i, prompt in enumerate(prompts)}
-    together = engine()
-    assert run(together, prompts) == alone
-    assert together.stats.num_steps < sum(len(p) for p in prompts)
-    cramped = engine(num_blocks=24)
-    assert run(cramped, prompts) == alone
-    assert cramped.scheduler.num_preemptions > 0
+def test_engine_batch_invariance_on_tvm(smollm2_o2, smollm2_tvm, check_batch_invariance) -> None:
+    check_batch_invariance(smollm2_tvm, smollm2_o2.tokenizer, "tvm")
 
 
 def test_unlowerable_node_names_the_op_and_model_line(tmp_path: Path, make_tiny_program) -> None:
