@@ -112,8 +112,7 @@ def test_committed_logs_match_their_layout() -> None:
     """Every committed meta.json is readable at this layout version, with a database when kept."""
     root = Path(__file__).resolve().parents[3] / "tuning_logs"
     metas = sorted(root.glob("*/*/" + tuning.META))
-    if not metas:
-        pytest.skip("no committed tuning logs")
+    assert metas, f"{root} holds no tuning records (the repo commits some: see its README)"
     for path in metas:
         meta = json.loads(path.read_text())
         assert meta["layout_version"] == tuning.LAYOUT_VERSION, path
