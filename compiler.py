@@ -155,7 +155,7 @@ def compile_model(
         num_threads=options.num_threads,
     )
     entries: dict[str, Any] = {}
-    kernels: dict[str, dict[str, str]] = {}
+    weights_name: str | None = None  # written once, after the first target compiles: targets share it
     for target in targets:
         folder = scratch / target.folder
         try:
@@ -163,7 +163,8 @@ def compile_model(
         except DeviceRequiredError:
             _keep_partial(scratch, out)
             raise
-        weights_name = fmt.write_weights(scratch, program.weights)
+        if weights_name is None:
+            weights_name = fmt.write_weights(scratch, program.weights)
         runs_here = mismatch(target) is None
         if runs_here:
             _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
@@ -184,7 +185,6 @@ def compile_model(
                 "tolerance": PROBE_TOLERANCE,
             },
         }
-        kernels[target.name] = code.kernels
         start = stage(f"codegen {target.name}", start)
 
     config = source.config
