@@ -126,7 +126,10 @@ class Scheduler:
                 cached = cached[: (len(collected) - 1) // self.kv.block_size]
             num_computed = len(cached) * self.kv.block_size
             remaining = seq.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            # Without chunked prefill a sequence is admitted whole, except one preempted after it grew past
+            # max_num_batched_tokens (the engine refuses longer prompts): it could never be admitted whole.
+            whole_fits = remaining <= self.config.max_num_batched_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget and whole_fits:
                 break
             num_new = min(remaining, budget)
             if not self.kv.allocate(seq.seq_id, num_computed + num_new, cached):

@@ -101,7 +101,9 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a long text tokenized on a
+        # worker thread leaves the server's event loop running.
+        ids: list[int] = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids

@@ -3,7 +3,8 @@
     app = create_app(AsyncEngine(llm_engine), "my-model", api_key=None, max_waiting=None)
 
 With an API key, every route but /health and /metrics needs `Authorization: Bearer <key>`; the check
-runs before the body is read, so a request without the key is a 401 whatever its body.
+runs before the body is read, so a request without the key is a 401 whatever its body. A body over
+`max_request_bytes` is a 413 (see body_limit.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kiln.server.errors import install_error_handlers, unauthorized
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.protocol import (
@@ -65,13 +67,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _state(request).chat.create(body, request)
 
 
+# Plain functions: FastAPI runs them on a worker thread, so tokenizing a long text and rendering a long
+# response leave the event loop free.
+
+
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse(_state(request).tokenization.tokenize(body).model_dump())
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse(_state(request).tokenization.detokenize(body).model_dump())
 
 
@@ -96,11 +102,23 @@ class APIKeyMiddleware:
 
 
 def create_app(
-    engine: AsyncEngine, served_model_name: str, api_key: str | None, max_waiting: int | None
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None,
+    max_waiting: int | None,
+    *,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The server for one engine. The caller owns the engine (and shuts it down after the server)."""
+    """The server for one engine. The caller owns the engine (and shuts it down after the server).
+
+    `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len.
+    """
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.engine.max_model_len)
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="Kiln", summary="OpenAI-compatible LLM server")
     admission = Admission(engine.engine.scheduler.config.max_num_seqs, max_waiting)
     server_metrics = ServerMetrics(engine, served_model_name)
@@ -112,6 +130,7 @@ def create_app(
     state.tokenization = OpenAIServingTokenization(engine, served_model_name, admission, server_metrics)
     app.include_router(router)
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # added last, so it runs first
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app

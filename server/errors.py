@@ -1,8 +1,8 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong.
 
 Every invalid field is a 400 that names the field in `param` (FastAPI's 422 is mapped here), a missing
-or wrong key 401, an unknown model 404, too many waiting requests 503. An unexpected exception is a
-500 with the same shape, logged; it never stops the server.
+or wrong key 401, an unknown model 404, a body over the size limit 413, too many waiting requests 503.
+An unexpected exception is a 500 with the same shape, logged; it never stops the server.
 """
 
 from __future__ import annotations
@@ -91,6 +91,16 @@ def unauthorized() -> APIError:
         "Missing or incorrect API key; send it as `Authorization: Bearer <key>`.",
         AUTHENTICATION,
         code="invalid_api_key",
+    )
+
+
+def request_too_large(max_bytes: int) -> APIError:
+    return APIError(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"The request body is larger than this server's limit of {max_bytes} bytes (--max-request-bytes); "
+        "send a shorter prompt or split the request.",
+        INVALID_REQUEST,
+        code="request_too_large",
     )
 
 

@@ -1,8 +1,8 @@
 """Serve an engine with uvicorn until SIGTERM or Ctrl-C.
 
-On SIGTERM (or Ctrl-C) uvicorn stops accepting connections, lets every request in flight finish (no
-time limit: a request that has started runs to its end), then returns; the engine loop is stopped last
-and the process exits 0. A second Ctrl-C stops at once.
+On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and lets the requests in flight finish for
+up to `shutdown_timeout` seconds, then cancels the rest (a stuck request cannot hold the server up); the
+engine loop is stopped last and the process exits 0. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -36,14 +36,19 @@ def run_server(
     api_key: str | None = None,
     max_waiting: int | None = None,
     log_level: str = "info",
+    max_request_bytes: int | None = None,
+    shutdown_timeout: float = 30.0,
 ) -> None:
-    app = create_app(engine, served_model_name, api_key, max_waiting)
+    """`max_request_bytes` None: see `create_app`."""
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
+    app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes=max_request_bytes)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=None,
+        timeout_graceful_shutdown=shutdown_timeout,
         timeout_keep_alive=5,
     )
     server = uvicorn.Server(config)

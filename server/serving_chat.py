@@ -8,6 +8,7 @@ and UTF-8 bytes, with the `top_logprobs` most likely alternatives.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -44,7 +45,7 @@ from kiln.server.serving_engine import (
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        prepared = self._prepare(request)
+        prepared = await asyncio.to_thread(self._prepare, request)
         hold = self.admit([prepared])
         request_id = self.request_id("chatcmpl")
         stream = self.generate(prepared, request_id)
@@ -64,6 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(self._response(request, request_id, created, final).model_dump())
 
     def _prepare(self, request: ChatCompletionRequest) -> Prepared:
+        """Templated, tokenized and checked; run off the event loop (long messages take a while)."""
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")

@@ -7,6 +7,7 @@ does) and text_offset (into the choice's text, the echoed prompt included).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class _Prompt:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
-        prompts = self._prepare(request)
+        prompts = await asyncio.to_thread(self._prepare, request)
         hold = self.admit([p.prepared for p in prompts])
         request_id = self.request_id("cmpl")
         streams = [self.generate(p.prepared, f"{request_id}-{i}") for i, p in enumerate(prompts)]
@@ -66,6 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(self._response(request, request_id, created, prompts, finals).model_dump())
 
     def _prepare(self, request: CompletionRequest) -> list[_Prompt]:
+        """Tokenized and checked; run off the event loop (tokenizing a long prompt takes a while)."""
         self.check_model(request.model)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")

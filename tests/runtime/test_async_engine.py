@@ -1,14 +1,18 @@
-"""AsyncEngine: streams match the sync engine, the event loop stays free, leaving early aborts."""
+"""AsyncEngine: streams match the sync engine, the event loop stays free, leaving early aborts, and any
+failure of the loop thread fails every stream and every later request at once."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
+from collections.abc import Sequence as Seq
 
 import pytest
 
-from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -109,3 +113,143 @@ def test_a_bad_request_raises_before_streaming(make_tiny_engine) -> None:
         assert engine.is_idle()
     finally:
         engine.shutdown()
+
+
+STREAM_TIMEOUT_S = 10.0  # a stream the dead engine forgot would wait forever: fail instead
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def _add_fails_with(error: Exception) -> type[LLMEngine]:
+    """Fault injection: an engine whose add_request raises `error` for request "boom"."""
+
+    class AddFails(LLMEngine):
+        def add_request(
+            self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+        ) -> None:
+            if request_id == "boom":
+                raise error
+            super().add_request(request_id, prompt, params)
+
+    return AddFails
+
+
+class _AbortFails(LLMEngine):
+    """Fault injection: aborting a request raises RuntimeError."""
+
+    def abort(self, request_id: str) -> bool:
+        raise RuntimeError(f"cannot abort {request_id}")
+
+
+async def _fails_dead(stream) -> EngineDeadError:
+    with pytest.raises(EngineDeadError) as failed:
+        await asyncio.wait_for(_drain(stream), STREAM_TIMEOUT_S)
+    return failed.value
+
+
+def _logged_failure(caplog: pytest.LogCaptureFixture, error_type: type[BaseException]) -> bool:
+    return any(
+        r.levelno == logging.ERROR and r.exc_info is not None and r.exc_info[0] is error_type
+        for r in caplog.records
+    )
+
+
+def test_a_failing_step_fails_every_stream(make_tiny_engine, caplog) -> None:
+    engine = AsyncEngine(make_tiny_engine(fail_at_step=6))
+
+    async def main() -> None:
+        streams = [engine.generate(_prompt(i), LONG) for i in range(3)]
+        results = await asyncio.gather(*(_fails_dead(s) for s in streams))
+        assert all("injected device fault" in str(error) for error in results)
+        await _fails_dead(engine.generate(_prompt(0), PARAMS))
+
+    try:
+        asyncio.run(main())
+        assert isinstance(engine.dead, RuntimeError)
+        assert _logged_failure(caplog, RuntimeError)
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_command_fails_every_stream_and_later_request(make_tiny_engine, caplog) -> None:
+    """ "boom"'s add command raises KeyError while a stream is running and "queued"'s command waits
+    behind it (a slow step holds the loop thread): all three fail, and so does every later request."""
+    engine_class = _add_fails_with(KeyError("boom"))  # a bug, not a refusal of the request
+    engine = AsyncEngine(make_tiny_engine(step_delay_s=0.2, engine_class=engine_class))
+
+    async def main() -> None:
+        running = engine.generate(_prompt(1), LONG, request_id="running")
+        await asyncio.wait_for(anext(running), STREAM_TIMEOUT_S)
+        boom = engine.generate(_prompt(2), PARAMS, request_id="boom")
+        queued = engine.generate(_prompt(3), PARAMS, request_id="queued")
+        errors = await asyncio.gather(_fails_dead(running), _fails_dead(boom), _fails_dead(queued))
+        assert all("KeyError" in str(error) for error in errors)
+        started = time.perf_counter()
+        await _fails_dead(engine.generate(_prompt(4), PARAMS))
+        assert time.perf_counter() - started < 0.1
+
+    try:
+        asyncio.run(main())
+        assert isinstance(engine.dead, KeyError)
+        assert "queued" not in engine.engine.requests  # its command never ran
+        assert _logged_failure(caplog, KeyError)
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_abort_fails_every_stream(make_tiny_engine, caplog) -> None:
+    engine = AsyncEngine(make_tiny_engine(engine_class=_AbortFails))
+
+    async def main() -> None:
+        left = engine.generate(_prompt(1), LONG)
+        await asyncio.wait_for(anext(left), STREAM_TIMEOUT_S)
+        other = engine.generate(_prompt(2), LONG)
+        await asyncio.wait_for(anext(other), STREAM_TIMEOUT_S)
+        await left.aclose()  # leaving early aborts
+        await _fails_dead(other)
+
+    try:
+        asyncio.run(main())
+        assert isinstance(engine.dead, RuntimeError)
+        assert _logged_failure(caplog, RuntimeError)
+    finally:
+        engine.shutdown()
+
+
+def test_a_value_error_refuses_only_its_request(make_tiny_engine) -> None:
+    """The engine refusing one request on the loop thread, or a request id in use, fails only it."""
+    engine = AsyncEngine(make_tiny_engine(engine_class=_add_fails_with(ValueError("boom is refused"))))
+
+    async def main() -> None:
+        first = engine.generate(_prompt(1), PARAMS, request_id="same")
+        await asyncio.wait_for(anext(first), STREAM_TIMEOUT_S)
+        with pytest.raises(ValueError, match="already in use"):
+            await asyncio.wait_for(_drain(engine.generate(_prompt(2), PARAMS, request_id="same")), 10)
+        with pytest.raises(ValueError, match="boom is refused"):
+            await asyncio.wait_for(_drain(engine.generate(_prompt(2), PARAMS, request_id="boom")), 10)
+        await asyncio.wait_for(_drain(first), STREAM_TIMEOUT_S)
+        await asyncio.wait_for(_drain(engine.generate(_prompt(3), PARAMS)), STREAM_TIMEOUT_S)
+
+    try:
+        asyncio.run(main())
+        assert engine.dead is None
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_waits_a_bounded_time_and_fails_the_streams(make_tiny_engine, caplog) -> None:
+    engine = AsyncEngine(make_tiny_engine(step_delay_s=1.0))
+
+    async def main() -> None:
+        stream = engine.generate(_prompt(1), LONG)
+        waiting = asyncio.create_task(_fails_dead(stream))
+        while engine.engine.executable.calls == 0:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        engine.shutdown(timeout=0.1)
+        assert time.perf_counter() - started < 0.8  # the step in progress takes 1 s
+        assert "did not stop within 0.1 s" in caplog.text
+        assert "shut down" in str(await waiting)
+        await _fails_dead(engine.generate(_prompt(2), PARAMS))
+
+    asyncio.run(main())
+    assert engine.dead is not None

@@ -1,6 +1,10 @@
 """The real server as a user runs it: `python -m kiln.cli serve <gguf>` in a subprocess on a free port of
-127.0.0.1, SmolLM2 on the reference backend. Each start loads the model (~10 s), so one server serves
-a whole session (`api_server`) and modules start their own only for flags they need."""
+127.0.0.1, SmolLM2 with the defaults a user gets (TVM for this CPU with the GGUF's own blocks, compiled
+once into the cache). A start loads the model in seconds (the first one compiles it, ~20 s), so one
+server serves a whole session (`api_server`) and modules start their own only for flags they need.
+
+`start_app` serves the app in this process instead, on the tiny random-weight model: real uvicorn on a
+free port in a thread, started in well under a second, for tests of the server's own behaviour."""
 
 from __future__ import annotations
 
@@ -9,14 +13,22 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.engine import LLMEngine
+from kiln.server.app import create_app
 
 MODEL_NAME = "smollm2"
 START_TIMEOUT_S = 180.0
@@ -126,3 +138,58 @@ def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProces
 def api_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     """The shared server: default flags but a 1024-token context, so a too-long prompt is cheap."""
     return start_server("--max-model-len", "1024")
+
+
+TINY_MODEL_NAME = "tiny"
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
+
+
+@dataclass
+class AppServer:
+    url: str
+    engine: AsyncEngine
+
+
+@pytest.fixture
+def start_app(make_tiny_engine) -> Iterator[Callable[..., AppServer]]:
+    """`start(llm_engine=None, api_key=None, max_waiting=None, **create_app_keywords)`: the app on an
+    AsyncEngine over `llm_engine` (default: a tiny engine), served as TINY_MODEL_NAME. Every server and
+    engine started is stopped at the end."""
+    started: list[tuple[uvicorn.Server, threading.Thread, AsyncEngine]] = []
+
+    def start(
+        llm_engine: LLMEngine | None = None,
+        api_key: str | None = None,
+        max_waiting: int | None = None,
+        **keywords: Any,
+    ) -> AppServer:
+        engine = AsyncEngine(llm_engine or make_tiny_engine())
+        try:
+            app = create_app(engine, TINY_MODEL_NAME, api_key, max_waiting, **keywords)
+        except Exception:
+            engine.shutdown()
+            raise
+        port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        started.append((server, thread, engine))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.01)
+        return AppServer(f"http://127.0.0.1:{port}", engine)
+
+    yield start
+    for server, thread, engine in started:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
