@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 PEERS := .venv-peers
 
-.PHONY: setup model test test-fast lint serve bench bench-peers bench-compare clean
+.PHONY: setup model test test-fast lint serve bench bench-peers bench-serve bench-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,22 +40,31 @@ serve: model
 bench: model
 	$(BIN)/python bench/reference.py
 
-# Peers in their own venv (llama.cpp is compiled from source: several minutes), then one side-by-side
-# run on the same GGUF. AVX-512 (VNNI, BF16) but no AMX: some VMs report AMX without enabling it, and
-# llama.cpp's AMX kernels then die with an illegal instruction.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Peers in their own venv, built for THIS host (llama.cpp is compiled from source: several minutes):
+# llama-cpp-python (for bench/peers.py and bench/compare.py) and the native llama-server and llama-bench
+# (scripts/build_llama_cpp.sh, for bench/serve_peers.py). -DGGML_NATIVE=ON uses what the host's CPU has
+# (AVX2 only, AVX-512, VNNI); AMX is turned off, since some VMs report it without enabling it.
+AMX_FLAGS := $(if $(shell grep -wo amx_tile /proc/cpuinfo 2>/dev/null | head -1),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DCMAKE_C_FLAGS="$(AMX_FLAGS)" -DCMAKE_CXX_FLAGS="$(AMX_FLAGS)"
 $(PEERS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check \
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' $(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check \
 		--no-cache-dir --force-reinstall --no-deps llama-cpp-python
 	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check llama-cpp-python
 	touch $@
 
-bench-peers: model $(PEERS)/.installed
+$(PEERS)/llama.cpp/bin/llama-server: scripts/build_llama_cpp.sh
+	bash scripts/build_llama_cpp.sh $(PEERS)/llama.cpp
+
+bench-peers: model $(PEERS)/.installed $(PEERS)/llama.cpp/bin/llama-server
 	$(PEERS)/bin/python bench/peers.py
+
+# `make serve` (and `kiln serve DIR`, the old reference default) beside llama-server over HTTP, one run:
+# bench/serve_peers.py (throughput at 1/4/16 streams, cold start, peak RSS).
+bench-serve: model $(PEERS)/llama.cpp/bin/llama-server
+	$(BIN)/python bench/serve_peers.py --model $(MODEL)
 
 # Every backend and llama.cpp side by side (docs/benchmarks.md); artifacts are compiled once into
 # $KILN_HOME/bench-compare. The llama.cpp row needs .venv-peers (make bench-peers), n/a without it.

@@ -1,12 +1,16 @@
-"""The driver: model source → frontend → IR → passes → backend → something that runs. Only this,
-cli.py and llm.py import every layer."""
+"""The one pipeline: model source → frontend → IR → passes. Every command that needs a graph (compile,
+tune, inspect, the reference oracle, the GPU bundle) calls `build_program` or, for weights it makes
+itself, `optimize`. Only this, cli.py, compiler.py and llm.py import every layer."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from kiln.backends.base import Executable
 from kiln.backends.reference import ReferenceExecutable
@@ -15,29 +19,41 @@ from kiln.frontend.config import ModelConfig
 from kiln.frontend.load import load_model
 from kiln.frontend.source import ModelSource, QuantizedTensor
 from kiln.ir import Program, print_graph
-from kiln.passes import PassManager, PassOptions, PassReport, pipeline
+from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
 from kiln.runtime.tokenizer import Tokenizer
 
+Progress = Callable[[str, float], None]  # (stage that just ended, seconds it took)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the pass pipeline is asked for: level, weight quantization (None, "int8", "int4", "gguf", or
+    "auto": a GGUF's own blocks where it has quantized tensors, else none), int4 group size, float dtype."""
+
+    opt_level: int = 2
+    quantization: str | None = None
+    group_size: int = 32
+    dtype: str = "f32"
+
 
 @dataclass
-class BuildTimes:
-    load_s: float  # read the file, build the tokenizer
-    dequantize_s: float  # GGUF blocks to float32 for capture (and the reference backend)
-    capture_s: float  # build the torch.nn model, fx trace, translate to IR, verify
-    passes_s: float
-
-
-@dataclass
-class BuiltModel:
-    name: str
-    model_id: str  # the model's identity: its name, path and optimized graph, hashed
-    config: ModelConfig
+class Optimized:
+    quantization: str | None  # as resolved ("auto" never)
     captured: Program  # the graph as captured (O0)
     program: Program  # after the pass pipeline
-    pass_report: PassReport
-    executable: Executable
+    passes: list[Pass]
+    report: PassReport
+
+
+@dataclass
+class BuiltProgram(Optimized):
+    source: ModelSource
     tokenizer: Tokenizer
-    times: BuildTimes
+    seconds: dict[str, float]  # load, dequantize, capture, passes
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.source.config
 
 
 def gguf_blocks(source: ModelSource) -> dict[str, tuple[str, object]]:
@@ -57,51 +73,104 @@ def runtime_tokenizer(source: ModelSource) -> Tokenizer:
     )
 
 
-def pass_options(source: ModelSource, quantization: str | None, group_size: int, dtype: str) -> PassOptions:
-    """Pass options for `source`: the gguf quantization imports its GGUF blocks."""
-    blocks = gguf_blocks(source) if quantization == "gguf" else {}
-    # gguf: the LM head too, from the GGUF's own blocks (llama.cpp multiplies by them as well)
+def resolve_quantization(requested: str | None, source: ModelSource | None) -> str | None:
+    if requested != "auto":
+        return requested
+    return "gguf" if source is not None and gguf_blocks(source) else None
+
+
+def pass_options(options: PipelineOptions, source: ModelSource | None = None) -> PassOptions:
+    """Pass options; the gguf quantization imports `source`'s GGUF blocks, the LM head's too (llama.cpp
+    multiplies by them as well)."""
+    quantization = resolve_quantization(options.quantization, source)
+    gguf = quantization == "gguf"
     return PassOptions(
         quantization=quantization,
-        group_size=group_size,
-        dtype=dtype,
-        gguf_blocks=blocks,
-        quantize_lm_head=quantization == "gguf",
+        group_size=options.group_size,
+        dtype=options.dtype,
+        gguf_blocks=gguf_blocks(source) if gguf and source is not None else {},
+        quantize_lm_head=gguf,
     )
 
 
-def build_reference(
-    model: str,
-    opt_level: int = 2,
-    quantization: str | None = None,
-    dtype: str = "f32",
-    group_size: int = 32,
-) -> BuiltModel:
-    """Load `model` (a known name, a GGUF file or a HF directory), capture it, run the pass pipeline
-    for `opt_level` (and quantization / dtype), and load the result on the reference backend."""
+def optimize(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    options: PipelineOptions,
+    source: ModelSource | None = None,
+    progress: Progress | None = None,
+) -> Optimized:
+    """Capture the model of `config` with float32 `weights`, then run the pass pipeline."""
+    start = time.perf_counter()
+    captured = capture_weights(config, weights)
+    captured_program = Program(captured.graph, captured.weights)
+    captured_at = time.perf_counter()
+    if progress is not None:
+        progress("capture", captured_at - start)
+    options_for_passes = pass_options(options, source)
+    passes = pipeline(options.opt_level, options_for_passes)
+    program, report = PassManager(passes).run(captured_program, options_for_passes)
+    if progress is not None:
+        progress("passes", time.perf_counter() - captured_at)
+    return Optimized(options_for_passes.quantization, captured_program, program, passes, report)
+
+
+def build_program(
+    model: str, options: PipelineOptions | None = None, progress: Progress | None = None
+) -> BuiltProgram:
+    """Load `model` (a known name, a GGUF file or a HF directory), capture it, run the pass pipeline."""
+    options = options or PipelineOptions()
+    seconds: dict[str, float] = {}
+
+    def timed(stage: str, took: float) -> None:
+        seconds[stage] = took
+        if progress is not None:
+            progress(stage, took)
+
     start = time.perf_counter()
     source = load_model(model)
     loaded = time.perf_counter()
     weights = source.float_weights()
-    dequantized = time.perf_counter()
-    captured = capture_weights(source.config, weights)
-    captured_at = time.perf_counter()
-    options = pass_options(source, quantization, group_size, dtype)
-    captured_program = Program(captured.graph, captured.weights)
-    program, report = PassManager(pipeline(opt_level, options)).run(captured_program, options)
-    passes_done = time.perf_counter()
-    identity = hashlib.sha256(f"{source.name}\n{source.path.resolve()}\n".encode())
-    identity.update(print_graph(program.graph).encode())
-    return BuiltModel(
-        name=source.name,
-        model_id=identity.hexdigest(),
-        config=source.config,
-        captured=captured_program,
-        program=program,
-        pass_report=report,
-        executable=ReferenceExecutable(program.graph, program.weights),
+    timed("load", time.perf_counter() - start)
+    seconds["dequantize"] = time.perf_counter() - loaded
+    optimized = optimize(source.config, weights, options, source, timed)
+    return BuiltProgram(
+        **{f.name: getattr(optimized, f.name) for f in dataclasses.fields(Optimized)},
+        source=source,
         tokenizer=runtime_tokenizer(source),
-        times=BuildTimes(
-            loaded - start, dequantized - loaded, captured_at - dequantized, passes_done - captured_at
-        ),
+        seconds=seconds,
+    )
+
+
+@dataclass
+class BuiltModel:
+    """A built program on the reference backend: the oracle."""
+
+    name: str
+    model_id: str  # the model's identity: its name, path and optimized graph, hashed
+    config: ModelConfig
+    captured: Program  # the graph as captured (O0)
+    program: Program  # after the pass pipeline
+    pass_report: PassReport
+    executable: Executable
+    tokenizer: Tokenizer
+    seconds: dict[str, float]  # load, dequantize, capture, passes
+
+
+def build_reference(model: str, options: PipelineOptions | None = None) -> BuiltModel:
+    """`build_program`, loaded on the reference backend."""
+    built = build_program(model, options)
+    identity = hashlib.sha256(f"{built.source.name}\n{built.source.path.resolve()}\n".encode())
+    identity.update(print_graph(built.program.graph).encode())
+    program = built.program
+    return BuiltModel(
+        name=built.source.name,
+        model_id=identity.hexdigest(),
+        config=built.config,
+        captured=built.captured,
+        program=program,
+        pass_report=built.report,
+        executable=ReferenceExecutable(program.graph, program.weights),
+        tokenizer=built.tokenizer,
+        seconds=built.seconds,
     )

@@ -30,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop or [],
     )
-    llm = LLM(args.model, max_model_len=args.max_model_len)
+    llm = LLM(args.model, max_model_len=args.max_model_len, **_model_options(args))
     tokenizer = llm.get_tokenizer()
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -47,8 +47,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """--backend, --quantization, --dtype, --target as `kiln.LLM` keywords."""
+    return {
+        "backend": args.backend,
+        "quantization": args.quantization,
+        "dtype": args.dtype,
+        "target": args.target,
+    }
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from kiln.llm import LLM
+    import logging
+
+    from kiln.llm import LLM, describe
     from kiln.runtime.async_engine import AsyncEngine
     from kiln.server.run import run_server
 
@@ -58,11 +70,22 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
+        "num_blocks": args.num_kv_blocks,
     }
+    logging.basicConfig(level=logging.WARNING, format="kiln: %(levelname)s %(name)s: %(message)s")
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
+        **_model_options(args),
         **{name: value for name, value in sizes.items() if value is not None},
+    )
+    engine = llm.engine
+    print(
+        f"kiln: serving {llm.artifact.model_name} as {args.served_model_name or args.model} on "
+        f"http://{args.host}:{args.port} ({describe(llm.artifact)}; max_model_len {engine.max_model_len:,}, "
+        f"max_num_seqs {engine.scheduler.config.max_num_seqs}; KV cache {llm.kv_cache})",
+        file=sys.stderr,
+        flush=True,
     )
     run_server(
         AsyncEngine(llm.engine),
@@ -72,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         log_level=args.uvicorn_log_level,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return 0
 
@@ -82,39 +107,48 @@ class UsageError(KilnError):
 
 def _compile(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
+    from contextlib import nullcontext
 
     from kiln.backends.base import BackendError, DeviceRequiredError
-    from kiln.backends.targets import TargetError, parse_targets
-    from kiln.compiler import CompileOptions, check_targets, compile_model
+    from kiln.backends.targets import TargetError
+    from kiln.compiler import (
+        CompileOptions,
+        OutputError,
+        check_output,
+        check_targets,
+        compile_model,
+        compile_stages,
+        plan,
+        quantization_arg,
+    )
+    from kiln.console import stage_progress
 
     try:
-        targets = parse_targets(args.target)
-        check_targets(args.backend, targets)
-    except (TargetError, BackendError) as error:
+        chosen = plan(args.backend, args.target)
+        targets = chosen.targets
+        check_targets(chosen.backend, targets)
+        check_output(Path(args.output), args.force)
+    except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
     options = CompileOptions(
-        backend=args.backend,
+        backend=chosen.backend,
         opt_level=args.opt_level,
-        quantization=None if args.quantization == "none" else args.quantization,
+        quantization=quantization_arg(args.quantization),
         group_size=args.group_size,
-        dtype=args.dtype,
+        dtype=args.dtype or "f32",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        tuning_logs=None if args.tuning_logs == "none" else Path(args.tuning_logs),
+        tuning_logs=_tuning_logs(args.tuning_logs),
         num_threads=args.num_threads,
     )
     show = not (args.quiet or args.json)
-    stages = ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
-
-    def progress(stage: str, seconds: float) -> None:
-        if show:
-            done = stages.index(stage) + 1
-            bar = "#" * done + "." * (len(stages) - done)
-            print(f"[{bar}] {stage:<24} {seconds:6.2f} s", file=sys.stderr, flush=True)
-
+    title = (
+        f"kiln: compiling {args.model} for {chosen.backend} {', '.join(t.name for t in targets)} "
+        f"({chosen.reason}) into {args.output}"
+    )
     try:
-        result = compile_model(args.model, targets, options, Path(args.output), progress)
+        with stage_progress(title, compile_stages(targets)) if show else nullcontext() as progress:
+            result = compile_model(args.model, targets, options, Path(args.output), progress, args.force)
     except DeviceRequiredError as error:
         written = ", ".join(error.written) or "nothing"
         raise UsageError(f"{error} (kept for a builder that has one: {written})", hint=error.hint) from None
@@ -152,14 +186,10 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from kiln.backends.targets import TargetError, parse_targets
-    from kiln.build import pass_options
-    from kiln.frontend.capture import capture_weights
-    from kiln.frontend.load import load_model
-    from kiln.ir import Program
-    from kiln.passes import PassManager, pipeline
+    from kiln.build import PipelineOptions, build_program
+    from kiln.compiler import quantization_arg
 
     try:
         targets = parse_targets(args.target)
@@ -176,15 +206,15 @@ def _tune(args: argparse.Namespace) -> int:
     reason = TVMBackend().unsupported(targets[0])
     if reason is not None:
         raise UsageError(reason)
-    quantization = None if args.quantization == "none" else args.quantization
-    source = load_model(args.model)
-    captured = capture_weights(source.config, source.float_weights())
-    options = pass_options(source, quantization, args.group_size, args.dtype)
-    program, _ = PassManager(pipeline(args.opt_level, options)).run(
-        Program(captured.graph, captured.weights), options
+    options = PipelineOptions(
+        args.opt_level, quantization_arg(args.quantization), args.group_size, args.dtype
     )
+    built = build_program(args.model, options)
+    program, source = built.program, built.source
     llvm = cpu.llvm_target(targets[0], args.num_threads)
-    logs = Path(args.tuning_logs)
+    logs = _tuning_logs(args.tuning_logs)
+    if logs is None:
+        raise UsageError("kiln tune writes tuning logs: --tuning-logs names the folder (or leave it unset)")
     workloads = decode_workloads(program.graph)
     print(
         f"tuning {len(workloads)} kernels of {source.name}'s decode function for {target_folder(llvm)}, "
@@ -279,8 +309,14 @@ def _inspect_artifact(args: argparse.Namespace) -> int:
     size = sum((folder / f).stat().st_size for f in manifest["files"])
     print(f"{len(manifest['files'])} files, {size:,} bytes")
     if args.ir:
-        entry = next(iter(manifest["targets"].values()))
-        graph = graph_from_json(json.loads((folder / entry["folder"] / "graph.json").read_text()))
+        with_ir = [e for e in manifest["targets"].values() if (folder / e["folder"] / "graph.json").is_file()]
+        if not with_ir:
+            backends = ", ".join(sorted({e["backend"] for e in manifest["targets"].values()}))
+            raise UsageError(
+                f"{folder} holds compiled code ({backends}), not the IR graph",
+                hint="`kiln inspect MODEL --ir --opt-level 2` prints the graph a model compiles from",
+            )
+        graph = graph_from_json(json.loads((folder / with_ir[0]["folder"] / "graph.json").read_text()))
         print(print_graph(graph), end="")
     return 0
 
@@ -292,17 +328,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if is_artifact(Path(args.model)):
         return _inspect_artifact(args)
-    from kiln.build import build_reference
+    from kiln.build import PipelineOptions, build_reference
     from kiln.ir import print_graph
     from kiln.passes.cost import matmul_flops
     from kiln.passes.memory_plan import plan_memory
 
     built = build_reference(
-        args.model,
-        opt_level=args.opt_level,
-        quantization=args.quantization,
-        dtype=args.dtype,
-        group_size=args.group_size,
+        args.model, PipelineOptions(args.opt_level, args.quantization, args.group_size, args.dtype)
     )
     config = built.config
     print(f"model: {built.name} ({config.architecture})")
@@ -346,8 +378,40 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_tuning_logs() -> Path:
-    return Path(__file__).resolve().parent / "tuning_logs"
+def _tuning_logs(value: str | None) -> Path | None:
+    """--tuning-logs: a folder, "none", or unset for kiln's own."""
+    from kiln.compiler import default_tuning_logs
+
+    if value == "none":
+        return None
+    return Path(value) if value is not None else default_tuning_logs()
+
+
+def _add_model_options(parser: argparse.ArgumentParser, *, output: bool = False) -> None:
+    """--backend, --target, --quantization, --dtype: how a model compiles (the same for compile, serve,
+    generate and kiln.LLM). For serve and generate they apply when MODEL is not an artifact folder."""
+    from kiln.backends.registry import BACKEND_NAMES
+
+    parser.add_argument(
+        "--backend",
+        choices=["auto", *BACKEND_NAMES],
+        default="auto",
+        help="auto (default): TVM for this CPU, or for the local GPU's sm_XX; reference: the interpreter",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="cpu, cpu:<mcpu>, cuda:sm_80..sm_90; comma-separated for compile (default: this host)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        default="auto",
+        help="auto (default): a GGUF keeps its own quantized blocks, a float model stays float",
+    )
+    parser.add_argument(
+        "--dtype", choices=["f32", "f16", "bf16"], default=None, help="float dtype (default f32)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,9 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", help="a known model name, e.g. smollm2-135m-instruct")
     pull.set_defaults(run=_pull)
 
-    generate = commands.add_parser(
-        "generate", help="generate from one prompt on the engine (reference backend)"
-    )
+    generate = commands.add_parser("generate", help="generate from one prompt (compiled for this host)")
     generate.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -371,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--max-model-len", type=int, default=None)
+    _add_model_options(generate)
     generate.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -381,13 +444,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="the name clients send as `model` (default: MODEL)"
     )
-    serve.add_argument("--max-model-len", type=int, default=None)
+    _add_model_options(serve)
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="tokens per sequence (default: min(model's, 8192))"
+    )
     serve.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 16)")
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 512)"
     )
     serve.add_argument(
-        "--kv-cache-memory", type=int, default=None, metavar="BYTES", help="the KV cache's size in bytes"
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the KV cache's size in bytes (default: max-num-seqs full-length sequences, at most half "
+        "of the memory available)",
+    )
+    serve.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="the KV cache's size in blocks of 16 tokens"
     )
     serve.add_argument(
         "--max-waiting",
@@ -395,32 +469,45 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="answer 503 when more than this many sequences would wait (default: no limit)",
     )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="answer 413 for a larger request body (default: 16 MiB, or 64 bytes a token of max-model-len)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds requests in flight may take to finish before they are cut (default 30)",
+    )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
 
     compile_ = commands.add_parser("compile", help="compile a model ahead of time into an artifact folder")
     compile_.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
-    compile_.add_argument(
-        "--backend", choices=["reference", "tvm", "onnxruntime", "tensorrt"], default="reference"
-    )
-    compile_.add_argument(
-        "--target", default="cpu", help="cpu, cpu:<mcpu>, cuda:sm_80..sm_90; comma-separated"
-    )
-    compile_.add_argument("--quantization", choices=["none", "int8", "int4", "gguf"], default="none")
+    _add_model_options(compile_)
     compile_.add_argument("--group-size", type=int, default=32)
-    compile_.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
     compile_.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
     compile_.add_argument("--max-model-len", type=int, default=None)
     compile_.add_argument("--max-num-seqs", type=int, default=16)
     compile_.add_argument(
         "--tuning-logs",
-        default=str(default_tuning_logs()),
-        help="MetaSchedule databases written by `kiln tune` (default: the repo's tuning_logs/); none: skip",
+        default=None,
+        help="MetaSchedule databases written by `kiln tune` (default: kiln's own tuning_logs/); none: skip",
     )
     compile_.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads the artifact runs with (default: all)"
     )
-    compile_.add_argument("-o", "--output", required=True, help="the artifact folder to write")
+    compile_.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the artifact folder to write; it must be absent, empty or a kiln artifact (or --force)",
+    )
+    compile_.add_argument(
+        "--force", action="store_true", help="replace OUTPUT even when it is not a kiln artifact"
+    )
     compile_.add_argument("--quiet", action="store_true", help="print nothing but errors")
     compile_.add_argument("--json", action="store_true", help="print a JSON summary (for CI logs)")
     compile_.set_defaults(run=_compile)
@@ -440,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument(
         "--tuning-logs",
-        default=str(default_tuning_logs()),
-        help="the folder to write (default: the repo's tuning_logs/)",
+        default=None,
+        help="the folder to write (default: kiln's own tuning_logs/)",
     )
     tune.set_defaults(run=_tune)
 

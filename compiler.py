@@ -1,52 +1,73 @@
-"""Ahead-of-time compilation: model → artifact folder, for one or more targets (see runtime/artifact.py).
+"""Ahead-of-time compilation: model → artifact folder, for one or more targets (see runtime/artifact.py),
+and the compile cache that `serve`, `generate` and `kiln.LLM` use for a model name.
 
-Stages: load, capture, passes, then per target code generation (and its probe), then write. The
-same model and options give byte-identical folders: no timestamps, no absolute paths, sorted JSON.
+Stages: load, capture, passes (build.py, the one pipeline), then per target code generation (and its
+probe), then write. The same model and options give byte-identical folders: no timestamps, no absolute
+paths, sorted JSON. A folder is only ever replaced when it is empty or a Kiln artifact (or `force`), and
+the new artifact is written beside it and swapped in whole.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 
-from kiln import __version__, build
+from kiln import __version__
 from kiln.backends.base import BackendError, CompileSettings, DeviceRequiredError
 from kiln.backends.registry import get_backend
-from kiln.backends.targets import Target, mismatch
-from kiln.build import runtime_tokenizer
-from kiln.frontend.capture import capture_weights
-from kiln.frontend.load import load_model
-from kiln.frontend.pull import resolve_model
+from kiln.backends.targets import CUDA_ARCHS, Target, host_gpu_arch, mismatch, parse_targets
+from kiln.build import PipelineOptions, Progress, build_program
+from kiln.errors import KilnError
+from kiln.frontend.pull import kiln_home, resolve_model
 from kiln.ir import Program
-from kiln.passes import PassManager, pipeline
 from kiln.runtime import artifact as fmt
+from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+logger = logging.getLogger(__name__)
 
 PROBE_PROMPT = "A kiln fires clay at a high temperature, turning it into"
 PROBE_TOLERANCE = 1e-4  # max |logits now - logits at compile| / max |logits at compile|
+AUTO = "auto"
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+CACHE_ENTRIES = 4  # compiled models kept in the cache (each can be hundreds of MB)
 
-Progress = Callable[[str, float], None]  # (stage, seconds it took)
+
+class OutputError(KilnError):
+    """An output folder that compiling would have to destroy without knowing what it holds."""
+
+
+def default_tuning_logs() -> Path:
+    """The tuning logs shipped with kiln (the repo's tuning_logs/, package data in a wheel)."""
+    return Path(__file__).resolve().parent / "tuning_logs"
 
 
 @dataclass(frozen=True)
 class CompileOptions:
-    backend: str = "reference"
+    backend: str = "tvm"
     opt_level: int = 2
-    quantization: str | None = None
+    quantization: str | None = AUTO  # auto: a GGUF keeps its own blocks, a float model stays float
     group_size: int = 32
     dtype: str = "f32"
     max_model_len: int | None = None
     max_num_seqs: int = 16
     tuning_logs: Path | None = None
     num_threads: int | None = None
+
+    @property
+    def pipeline(self) -> PipelineOptions:
+        return PipelineOptions(self.opt_level, self.quantization, self.group_size, self.dtype)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +77,42 @@ class CompileOptions:
             "group_size": self.group_size,
             "dtype": self.dtype,
         }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `--backend auto` / `--target` resolve to on this host, and why."""
+
+    backend: str
+    targets: list[Target]
+    reason: str
+
+
+def plan(backend: str = AUTO, target: str | None = None) -> Plan:
+    """The backend and targets for a request. auto: TVM for the local GPU's sm_XX where this host can
+    build for it, else TVM for this CPU; the reference backend only when asked for."""
+    if target is not None:
+        targets = parse_targets(target)
+        if backend == AUTO:
+            return Plan("tvm", targets, f"--target {target}")
+        return Plan(backend, targets, f"--backend {backend} --target {target}")
+    if backend != AUTO:
+        return Plan(backend, [Target("cpu")], f"--backend {backend}")
+    arch = host_gpu_arch()
+    if arch is None:
+        return Plan("tvm", [Target("cpu")], "no NVIDIA GPU here: TVM for this CPU")
+    if arch not in CUDA_ARCHS:
+        return Plan("tvm", [Target("cpu")], f"the GPU is {arch}, not one of {', '.join(CUDA_ARCHS)}: TVM CPU")
+    gpu = Target("cuda", arch)
+    reason = get_backend("tvm").unsupported(gpu)
+    if reason is not None:
+        return Plan("tvm", [Target("cpu")], f"this host cannot build for its GPU ({reason}): TVM CPU")
+    return Plan("tvm", [gpu], f"the local GPU is {arch}")
+
+
+def quantization_arg(value: str | None) -> str | None:
+    """A --quantization value as CompileOptions holds it ("none" is None)."""
+    return None if value in (None, "none") else value
 
 
 @dataclass
@@ -87,6 +144,54 @@ def check_targets(backend_name: str, targets: list[Target]) -> None:
             raise BackendError(reason)
 
 
+# -- output folders ------------------------------------------------------------------------------------
+
+
+def _protected(folder: Path) -> bool:
+    """/, the home folder, the working directory and any folder holding one of them."""
+    resolved = folder.resolve()
+    return any(resolved == p or resolved in p.parents for p in (Path.cwd(), Path.home().resolve()))
+
+
+def check_output(out: Path, force: bool = False) -> None:
+    """Refuse an output that is not absent, an empty folder or a Kiln artifact (unless `force`)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and (is_artifact(out) or not any(out.iterdir())):
+        return
+    what = "a file" if not out.is_dir() else "a folder that is not a Kiln artifact"
+    if force and not _protected(out):
+        return
+    if force:
+        raise OutputError(
+            f"{out}: refusing to replace it even with --force (it holds the current or home folder)"
+        )
+    raise OutputError(
+        f"{out}: exists and is {what}; compiling would replace it",
+        hint="choose another output, move it away, or pass --force to replace it",
+    )
+
+
+def _scratch_beside(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.kiln-", dir=out.parent))
+
+
+def _swap_in(scratch: Path, out: Path, force: bool) -> None:
+    """Move the finished `scratch` folder to `out`, replacing what `check_output` allows."""
+    check_output(out, force)
+    if out.exists() or out.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / "replaced")
+        scratch.rename(out)
+        shutil.rmtree(old)
+    else:
+        scratch.rename(out)
+
+
+# -- compiling -----------------------------------------------------------------------------------------
+
+
 def _probe(
     program: Program,
     backend_name: str,
@@ -104,113 +209,183 @@ def _probe(
     save_file({"logits": logits.contiguous()}, str(folder / fmt.PROBE_FILE))
 
 
-def config_max_len(source: Any) -> int:
-    return int(source.config.max_position_embeddings)
-
-
-def _keep_partial(scratch: Path, out: Path) -> None:
-    """A backend stopped for want of a device: keep what it wrote (e.g. the ONNX for a GPU builder) at
-    `out`, without a manifest, since it is not a runnable artifact."""
-    if out.exists():
-        shutil.rmtree(out)
-    scratch.rename(out)
+def compile_stages(targets: list[Target]) -> list[str]:
+    """The stage names `compile_model` reports to its progress callback, in order."""
+    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
 
 
 def compile_model(
-    model: str, targets: list[Target], options: CompileOptions, out: Path, progress: Progress | None = None
+    model: str,
+    targets: list[Target],
+    options: CompileOptions,
+    out: Path,
+    progress: Progress | None = None,
+    force: bool = False,
 ) -> CompileResult:
     check_targets(options.backend, targets)
+    check_output(out, force)
     backend = get_backend(options.backend)
     times: dict[str, float] = {}
 
-    def stage(name: str, start: float) -> float:
-        now = time.perf_counter()
-        times[name] = now - start
+    def stage(name: str, took: float) -> None:
+        times[name] = took
         if progress is not None:
-            progress(name, now - start)
-        return now
+            progress(name, took)
 
-    start = time.perf_counter()
-    path = resolve_model(model)
-    source = load_model(model)
-    digest = source_digest(path)
-    start = stage("load", start)
-    captured = capture_weights(source.config, source.float_weights())
-    start = stage("capture", start)
-    pass_options = build.pass_options(source, options.quantization, options.group_size, options.dtype)
-    passes = pipeline(options.opt_level, pass_options)
-    program, _ = PassManager(passes).run(Program(captured.graph, captured.weights), pass_options)
-    start = stage("passes", start)
+    digest = source_digest(resolve_model(model))
+    built = build_program(model, options.pipeline, stage)
+    program, source = built.program, built.source
+    scratch = _scratch_beside(out)
+    try:
+        start = time.perf_counter()
+        probe_ids = built.tokenizer.encode(PROBE_PROMPT)
+        config_len = int(source.config.max_position_embeddings)
+        max_model_len = min(options.max_model_len or config_len, config_len)
+        settings = CompileSettings(
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=max_model_len,
+            tuning_logs=options.tuning_logs,
+            num_threads=options.num_threads,
+        )
+        entries: dict[str, Any] = {}
+        weights_name: str | None = None  # written once, after the first target compiles: targets share it
+        for target in targets:
+            folder = scratch / target.folder
+            try:
+                code = backend.compile(program, target, folder, settings)
+            except DeviceRequiredError:
+                # keep what the backend wrote (e.g. the ONNX for a GPU builder) at `out`, without a
+                # manifest: it is not a runnable artifact
+                _swap_in(scratch, out, force)
+                raise
+            if weights_name is None:
+                weights_name = fmt.write_weights(scratch, program.weights)
+            runs_here = mismatch(target) is None
+            if runs_here:
+                _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
+            entries[target.name] = {
+                "backend": backend.name,
+                "backend_version": backend.version(),
+                "target": target.name,
+                "gpu_arch": target.gpu_arch,
+                "folder": target.folder,
+                "code": sorted(code.files),
+                "weights": weights_name,
+                "cuda_graph_buckets": [],
+                **code.manifest,
+                "kernels": dict(sorted(code.kernels.items())),
+                "probe": {
+                    "token_ids": probe_ids,
+                    "logits_file": f"{target.folder}/{fmt.PROBE_FILE}" if runs_here else None,
+                    "tolerance": PROBE_TOLERANCE,
+                },
+            }
+            now = time.perf_counter()
+            stage(f"codegen {target.name}", now - start)
+            start = now
 
-    scratch = out.with_name(out.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    tokenizer = runtime_tokenizer(source)
-    probe_ids = tokenizer.encode(PROBE_PROMPT)
-    max_model_len = min(options.max_model_len or config_max_len(source), config_max_len(source))
-    settings = CompileSettings(
-        max_num_seqs=options.max_num_seqs,
-        max_model_len=max_model_len,
-        tuning_logs=options.tuning_logs,
-        num_threads=options.num_threads,
-    )
-    entries: dict[str, Any] = {}
-    weights_name: str | None = None  # written once, after the first target compiles: targets share it
-    for target in targets:
-        folder = scratch / target.folder
-        try:
-            code = backend.compile(program, target, folder, settings)
-        except DeviceRequiredError:
-            _keep_partial(scratch, out)
-            raise
-        if weights_name is None:
-            weights_name = fmt.write_weights(scratch, program.weights)
-        runs_here = mismatch(target) is None
-        if runs_here:
-            _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
-        entries[target.name] = {
-            "backend": backend.name,
-            "backend_version": backend.version(),
-            "target": target.name,
-            "gpu_arch": target.gpu_arch,
-            "folder": target.folder,
-            "code": sorted(code.files),
-            "weights": weights_name,
-            "cuda_graph_buckets": [],
-            **code.manifest,
-            "kernels": dict(sorted(code.kernels.items())),
-            "probe": {
-                "token_ids": probe_ids,
-                "logits_file": f"{target.folder}/{fmt.PROBE_FILE}" if runs_here else None,
-                "tolerance": PROBE_TOLERANCE,
+        config = source.config
+        tokenizer_fields = fmt.write_tokenizer(scratch, built.tokenizer)
+        compile_fields = {**options.as_dict(), "quantization": built.quantization}
+        model_id = hashlib.sha256(
+            f"{digest}\n{json.dumps(compile_fields, sort_keys=True)}".encode()
+        ).hexdigest()
+        manifest = fmt.seal(
+            scratch,
+            {
+                "kiln_version": __version__,
+                "model": {
+                    "name": source.name,
+                    "architecture": config.architecture,
+                    "config": config.to_dict(),
+                    "source_sha256": digest,
+                    "model_id": model_id,
+                },
+                "tokenizer": tokenizer_fields,
+                "compile": {**compile_fields, "passes": [p.name for p in built.passes]},
+                "limits": {"max_model_len": max_model_len, "max_num_seqs": options.max_num_seqs},
+                "targets": entries,
             },
-        }
-        start = stage(f"codegen {target.name}", start)
-
-    config = source.config
-    tokenizer_fields = fmt.write_tokenizer(scratch, tokenizer)
-    model_id = hashlib.sha256(
-        f"{digest}\n{json.dumps(options.as_dict(), sort_keys=True)}".encode()
-    ).hexdigest()
-    manifest = fmt.seal(
-        scratch,
-        {
-            "kiln_version": __version__,
-            "model": {
-                "name": source.name,
-                "architecture": config.architecture,
-                "config": config.to_dict(),
-                "source_sha256": digest,
-                "model_id": model_id,
-            },
-            "tokenizer": tokenizer_fields,
-            "compile": {**options.as_dict(), "passes": [p.name for p in passes]},
-            "limits": {"max_model_len": max_model_len, "max_num_seqs": options.max_num_seqs},
-            "targets": entries,
-        },
-    )
-    if out.exists():
-        shutil.rmtree(out)
-    scratch.rename(out)
-    stage("write", start)
+        )
+        _swap_in(scratch, out, force)
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch)
+    stage("write", time.perf_counter() - start)
     return CompileResult(out, manifest, times)
+
+
+# -- the compile cache ---------------------------------------------------------------------------------
+
+_COMPILER_CODE = ("frontend", "ir", "passes", "backends", "compiler.py", "build.py")
+
+
+def _tree_digest(root: Path, parts: tuple[str, ...], pattern: str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        path = root / part
+        files = [path] if path.is_file() else sorted(path.rglob(pattern)) if path.is_dir() else []
+        for file in files:
+            if file.is_file():
+                digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def compiler_digest() -> str:
+    """The sha256 of the code that turns a model into an artifact: a cache entry made by other code
+    is never reused (the version number alone does not change between commits)."""
+    return _tree_digest(Path(__file__).resolve().parent, _COMPILER_CODE, "*.py")
+
+
+def cache_key(model: str, options: CompileOptions, targets: list[Target]) -> str:
+    logs = options.tuning_logs
+    key_parts = {
+        "source": source_digest(resolve_model(model)),
+        "options": options.as_dict(),
+        "targets": [t.name for t in targets],
+        "num_threads": options.num_threads,
+        "tuning_logs": _tree_digest(logs, (".",), "*") if logs is not None else None,
+        "kiln": __version__,
+        "compiler": compiler_digest(),
+        "backend": get_backend(options.backend).version(),
+    }
+    return hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_folder(model: str, options: CompileOptions, targets: list[Target]) -> Path:
+    return kiln_home() / "artifacts" / cache_key(model, options, targets)
+
+
+ProgressFor = Callable[[Path], AbstractContextManager[Progress]]  # a display for a compile into a folder
+
+
+def verdicts_folder() -> Path:
+    """Where loads remember which artifact files were already hashed (see runtime/artifact.py)."""
+    return kiln_home() / "verified"
+
+
+def load_or_compile(
+    model: str,
+    options: CompileOptions,
+    targets: list[Target],
+    progress_for: ProgressFor | None = None,
+) -> LoadedArtifact:
+    """`model` compiled with `options` for `targets`, from the cache, compiling it into the cache first
+    where it is not there (or is damaged)."""
+    folder = cache_folder(model, options, targets)
+    if is_artifact(folder):
+        try:
+            return load_artifact(folder, verdicts=verdicts_folder())
+        except ArtifactError as error:
+            logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
+    with progress_for(folder) if progress_for is not None else nullcontext() as progress:
+        compile_model(model, targets, options, folder, progress)
+    _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
+    return load_artifact(folder, verdicts=verdicts_folder())
+
+
+def _evict_old_entries(cache: Path, keep: int) -> None:
+    """Keep the `keep` most recently compiled cache entries; only Kiln artifacts are ever removed."""
+    entries = [p for p in cache.iterdir() if is_artifact(p) and not p.is_symlink()]
+    for stale in sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)

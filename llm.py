@@ -1,25 +1,36 @@
 """The offline API, in vLLM's shape: `kiln.LLM(model).generate(prompts, kiln.SamplingParams(...))`.
 
 `model` is an artifact folder (from `kiln compile`), or a model (a known name, a GGUF file, a HF
-directory), which is compiled into the cache first ($KILN_HOME/artifacts/<key>, keyed by the model's
-bytes and the compile options), so the second start only loads.
+directory), which is compiled into the cache first (see compiler.py) for the fastest path on this host
+by default: `backend="auto"` (TVM for this CPU or the local GPU), `quantization="auto"` (a GGUF keeps its
+own quantized blocks). The second start only loads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from kiln import __version__
-from kiln.backends.registry import get_backend
-from kiln.backends.targets import Target
-from kiln.compiler import CompileOptions, compile_model, source_digest
-from kiln.frontend.pull import kiln_home, resolve_model
-from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
+from kiln.build import Progress
+from kiln.compiler import (
+    AUTO,
+    CompileOptions,
+    OutputError,
+    check_targets,
+    compile_stages,
+    default_tuning_logs,
+    load_or_compile,
+    plan,
+    quantization_arg,
+    verdicts_folder,
+)
+from kiln.console import stage_progress
+from kiln.errors import KilnError
+from kiln.runtime.artifact import LoadedArtifact, is_artifact, load_artifact, read_manifest
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
@@ -31,63 +42,80 @@ Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
 
 
-_COMPILER_CODE = ("frontend", "ir", "passes", "backends", "compiler.py", "build.py")
+class OptionsError(KilnError):
+    """Compile options that contradict the artifact they were given with."""
 
 
-def compiler_digest() -> str:
-    """The sha256 of the code that turns a model into an artifact: a cache entry made by other code
-    is never reused (the version number alone does not change between commits)."""
-    root = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for part in _COMPILER_CODE:
-        files = [root / part] if part.endswith(".py") else sorted((root / part).rglob("*.py"))
-        for file in files:
-            digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()
+def _check_artifact_options(folder: Path, asked: dict[str, Any]) -> None:
+    """An artifact runs as it was compiled: options asked for explicitly must be what it holds."""
+    manifest = read_manifest(folder)
+    compiled = manifest["compile"]
+    backends = {entry["backend"] for entry in manifest["targets"].values()}
+    for name, value in asked.items():
+        held = backends if name == "backend" else {compiled.get(name) or "none"}
+        if value not in (None, AUTO) and value not in held:
+            raise OptionsError(
+                f"{folder} is an artifact compiled with {name} {', '.join(sorted(map(str, held)))}, "
+                f"not {value}",
+                hint=f"drop --{name} to run it as compiled, or compile the model again with --{name} {value}",
+            )
 
 
-def cached_artifact(model: str, options: CompileOptions) -> Path:
-    """The cache folder for `model` compiled with `options` for this CPU, compiling it if needed."""
-    path = resolve_model(model)
-    key_parts = {
-        "source": source_digest(path),
-        "options": options.as_dict(),
-        "kiln": __version__,
-        "compiler": compiler_digest(),
-        "backend": get_backend(options.backend).version(),
-    }
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
-    folder = kiln_home() / "artifacts" / key
-    if is_artifact(folder):
-        return folder
-    logger.info("compiling %s into %s", model, folder)
-    compile_model(model, [Target("cpu")], options, folder)
-    _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
-    return folder
-
-
-CACHE_ENTRIES = 4
-
-
-def _evict_old_entries(cache: Path, keep: int) -> None:
-    """Keep the `keep` most recently compiled cache entries (each can be hundreds of MB)."""
-    import shutil
-
-    entries = [p for p in cache.iterdir() if is_artifact(p)]
-    for stale in sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def load_or_compile(model: str, options: CompileOptions | None = None) -> LoadedArtifact:
+def open_model(
+    model: str,
+    *,
+    backend: str = AUTO,
+    quantization: str | None = AUTO,
+    dtype: str | None = None,
+    target: str | None = None,
+    show_progress: bool = True,
+) -> LoadedArtifact:
+    """An artifact folder as it is, or `model` compiled (once, into the cache) with these options."""
     path = Path(model)
     if is_artifact(path):
-        return load_artifact(path)
-    folder = cached_artifact(model, options or CompileOptions())
+        _check_artifact_options(path, {"backend": backend, "quantization": quantization, "dtype": dtype})
+        return load_artifact(path, target=target, verdicts=verdicts_folder())
+    chosen = plan(backend, target)
+    check_targets(chosen.backend, chosen.targets)
+    options = CompileOptions(
+        backend=chosen.backend,
+        quantization=quantization_arg(quantization),
+        dtype=dtype or "f32",
+        tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
+    )
+
+    @contextmanager
+    def progress_for(folder: Path) -> Iterator[Progress | None]:
+        if not show_progress:
+            yield None
+            return
+        targets = ", ".join(t.name for t in chosen.targets)
+        title = (
+            f"kiln: first start of {model}: compiling for {chosen.backend} {targets} ({chosen.reason}), "
+            f"quantization {quantization or 'none'}, into {folder}"
+        )
+        with stage_progress(title, compile_stages(chosen.targets)) as progress:
+            yield progress
+
     try:
-        return load_artifact(folder)
-    except ArtifactError:  # a damaged cache entry: compile it again
-        compile_model(model, [Target("cpu")], options or CompileOptions(), folder)
-        return load_artifact(folder)
+        return load_or_compile(model, options, chosen.targets, progress_for)
+    except OutputError as error:
+        raise OptionsError(f"the compile cache cannot be written: {error}", hint=error.hint) from None
+
+
+def describe(artifact: LoadedArtifact) -> str:
+    """backend, target and quantization of a loaded artifact, for a person."""
+    entry = artifact.target_entry
+    compiled = artifact.manifest["compile"]
+    target = artifact.target.name
+    mcpu = entry.get("mcpu")
+    if mcpu and artifact.target.kind == "cpu" and artifact.target.detail is None:
+        target = f"{target} ({mcpu})"
+    quantization = compiled.get("quantization") or "none"
+    return (
+        f"backend {entry['backend']}, target {target}, quantization {quantization}, "
+        f"dtype {compiled.get('dtype', 'f32')}"
+    )
 
 
 class LLM:
@@ -95,6 +123,10 @@ class LLM:
         self,
         model: str,
         *,
+        backend: str = AUTO,
+        quantization: str | None = AUTO,
+        dtype: str | None = None,
+        target: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -103,10 +135,16 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
-        quantization: str | None = None,
-        dtype: str = "f32",
+        show_progress: bool = True,
     ) -> None:
-        self.artifact = load_or_compile(model, CompileOptions(quantization=quantization, dtype=dtype))
+        self.artifact = open_model(
+            model,
+            backend=backend,
+            quantization=quantization,
+            dtype=dtype,
+            target=target,
+            show_progress=show_progress,
+        )
         config = EngineConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
@@ -122,7 +160,12 @@ class LLM:
             self.artifact.max_model_len,
             config,
         )
+        logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
+
+    @property
+    def kv_cache(self) -> str:
+        return self.engine.kv_cache_plan.describe()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.artifact.tokenizer

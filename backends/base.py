@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,12 +56,20 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     def bytes_per_block(self, block_size: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Zeros. On the host: an anonymous mapping (page-aligned, untouched zero pages), so a block costs
+        resident memory only once it is written, in 4 KiB pages."""
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=device)
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+        pages = mmap.mmap(-1, math.prod(shape) * self.element_size)
+        return torch.frombuffer(pages, dtype=self.dtype).view(shape)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod
     def of_graph(cls, graph: Graph) -> KVCacheSpec:

@@ -90,10 +90,10 @@ def main() -> None:
             )
         )
 
-    times = built.times
+    times = built.seconds
     print(
-        f"model {built.name}: load {times.load_s:.2f} s, dequantize {times.dequantize_s:.2f} s, "
-        f"capture {times.capture_s:.2f} s, peak RSS after kiln runs {peak_mib:.0f} MiB"
+        f"model {built.name}: load {times['load']:.2f} s (dequantize {times['dequantize']:.2f} s of it), "
+        f"capture {times['capture']:.2f} s, peak RSS after kiln runs {peak_mib:.0f} MiB"
     )
     print(f"prompt {args.prompt_len} tokens, decode {args.decode_len} tokens, median of {args.repeats}")
     print(f"{'engine':<20}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill ratio':>15}{'decode ratio':>14}")

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 --model NAME [--concurrency 1 4 16]
         [--input-len 128] [--output-len 128] [--num-requests N] [--api-key KEY] [--eos-token-id ID]
+        [--pid PID]
 
 For each concurrency C, sends N requests (default 2 × C, at least 4) to /v1/completions, C at a time,
 each streamed, and prints output tokens/s (all requests' tokens over the wall time), time to first
@@ -9,7 +10,8 @@ token and inter-token latency (p50, p99). Every request has its own prompt prefi
 another's cached prefix; the prompt is cut to --input-len tokens with the server's /tokenize and
 /detokenize when it has them (vLLM, kiln), else sized by words. Each request asks for exactly
 --output-len tokens: `ignore_eos` (vLLM, kiln), plus `logit_bias {eos: -100}` with --eos-token-id for
-servers without it; a request that returns another count is reported.
+servers without it; a request that returns another count is reported. With --pid (a server on this
+machine), each row also shows the server process's peak resident memory so far (VmHWM).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     error: str | None = None
+
+
+def peak_rss_mib(pid: int | None) -> float:
+    """The peak resident set (VmHWM) of process `pid` so far, in MiB; nan without one."""
+    if pid is None:
+        return float("nan")
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -149,9 +162,11 @@ async def run_level(
     }
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def run_levels(args: argparse.Namespace) -> list[dict[str, float]]:
+    """One row per concurrency level (printed as it is measured), each with the server's peak RSS."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 2)
+    rows = []
     async with httpx.AsyncClient(
         base_url=args.base_url.rstrip("/"), headers=headers, timeout=None, limits=limits
     ) as client:
@@ -165,21 +180,26 @@ async def main_async(args: argparse.Namespace) -> None:
             )
         print(
             f"{'conc':>4} {'reqs':>5} {'prompt':>6} {'out tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
-            f"{'itl p50':>8} {'itl p99':>8} {'wall':>7}   (latencies in ms, wall in s)"
+            f"{'itl p50':>8} {'itl p99':>8} {'wall':>7} {'peak MiB':>9}   (latencies in ms, wall in s)"
         )
         for concurrency in args.concurrency:
             num_requests = args.num_requests or max(4, 2 * concurrency)
             row = await run_level(client, args, concurrency, num_requests)
+            row["concurrency"] = concurrency
+            row["peak_rss_mib"] = peak_rss_mib(args.pid)
+            rows.append(row)
             print(
                 f"{concurrency:>4} {row['requests']:>5} {row['prompt_tokens']:>6.0f} {row['tok_s']:>10.1f} "
                 f"{row['ttft_p50'] * 1e3:>9.0f} {row['ttft_p99'] * 1e3:>9.0f} {row['itl_p50'] * 1e3:>8.1f} "
-                f"{row['itl_p99'] * 1e3:>8.1f} {row['elapsed']:>7.1f}"
-                + (f"  {row['failed']} failed" if row["failed"] else "")
+                f"{row['itl_p99'] * 1e3:>8.1f} {row['elapsed']:>7.1f} {row['peak_rss_mib']:>9.0f}"
+                + (f"  {row['failed']} failed" if row["failed"] else ""),
+                flush=True,
             )
         print(f"load {os.getloadavg()[0]:.2f} (1-min avg) at the end")
+    return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     parser.add_argument("--model", required=True, help="the model name the server serves")
@@ -190,7 +210,12 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--eos-token-id", type=int, default=None, help="also send logit_bias {ID: -100}")
     parser.add_argument("--no-warmup", action="store_true")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--pid", type=int, default=None, help="the server's process id: report its peak RSS")
+    return parser
+
+
+def main() -> None:
+    asyncio.run(run_levels(parser().parse_args()))
 
 
 if __name__ == "__main__":

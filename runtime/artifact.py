@@ -14,8 +14,12 @@ the backend's version equals the one the artifact was built with.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,16 +146,55 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_files(folder: Path, manifest: dict[str, Any]) -> None:
+def _file_state(path: Path) -> list[int]:
+    """What changes whenever a file's bytes do: size, mtime, ctime (which no user can set), inode."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev]
+
+
+def check_files(folder: Path, manifest: dict[str, Any], verdicts: Path | None = None) -> None:
+    """Every listed file is present with its sha256. With `verdicts` (a folder), a file whose sha256 was
+    checked before and whose size, mtime, ctime and inode are unchanged since is not hashed again; the
+    verdicts are kept there per artifact folder."""
+    record = None
+    if verdicts is not None:
+        record = verdicts / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]}.json"
+    known = _read_verdicts(record)
+    checked: dict[str, list[Any]] = {}
     for name, digest in manifest.get("files", {}).items():
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{folder}: file {name} is missing", hint="copy the whole artifact folder")
-        if sha256_file(path) != digest:
+        verdict = [digest, *_file_state(path)]
+        if known.get(name) != verdict and sha256_file(path) != digest:
             raise ArtifactError(
                 f"{folder}: checksum mismatch for {name} (the file was changed or damaged)",
                 hint="copy or compile the artifact again",
             )
+        checked[name] = verdict
+    if record is not None and checked != known:
+        _write_verdicts(record, checked)
+
+
+def _read_verdicts(record: Path | None) -> dict[str, Any]:
+    if record is None:
+        return {}
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_verdicts(record: Path, checked: dict[str, list[Any]]) -> None:
+    """Best effort: a cache that cannot be written only costs hashing again next time."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        scratch = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(checked, sort_keys=True))
+        scratch.replace(record)
+    except OSError:
+        pass
 
 
 def choose_target(manifest: dict[str, Any], wanted: str | None) -> Target:
@@ -214,10 +257,11 @@ def check_structure(folder: Path, wanted: str | None = None) -> tuple[list[str],
     return lines, reasons
 
 
-def load_artifact(folder: Path, target: str | None = None) -> LoadedArtifact:
+def load_artifact(folder: Path, target: str | None = None, verdicts: Path | None = None) -> LoadedArtifact:
+    """Load an artifact after checking it (see the module doc); `verdicts`: see `check_files`."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    check_files(folder, manifest)
+    check_files(folder, manifest, verdicts)
     chosen = choose_target(manifest, target)
     entry = manifest["targets"][chosen.name]
     backend = get_backend(entry["backend"])
@@ -232,11 +276,34 @@ def load_artifact(folder: Path, target: str | None = None) -> LoadedArtifact:
     except (OSError, SafetensorError) as error:
         raise ArtifactError(f"{folder / entry['weights']}: cannot read the weights ({error})") from None
     executable = backend.load(folder / chosen.folder, weights, chosen)
+    release_pages(weights.values())
     fields = dict(manifest["tokenizer"])
     fields["tokenizer_json"] = (folder / TOKENIZER_FILE).read_text()
     template = folder / CHAT_TEMPLATE_FILE
     fields["chat_template"] = template.read_text() if template.is_file() else None
     return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields))
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay (re-read on next use)
+
+
+def release_pages(tensors: Iterable[torch.Tensor]) -> None:
+    """Hand back the resident pages of the weights file once a backend has loaded from it: what it
+    re-laid out it copied, and what it uses as stored (e.g. an embedding table) faults back in from
+    the file row by row. Best effort: nothing happens where the kernel does not know MADV_PAGEOUT."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
 
 
 def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,9 +1,15 @@
 """The KV block pool: ref counts, a null block, prefix-cache lookup by block hash, LRU eviction.
 
-Eviction order: a block whose ref count drops to 0 goes to the tail of the free queue, keeping its
-hash (its K/V stay valid and a later request with the same prefix may take it back). Allocation takes
-from the head, so the least recently freed block is reused first; only then is its hash dropped.
-Callers free a request's blocks tail first, so a prefix's last blocks are evicted before its first.
+Allocation order: first a freed block that holds no cached prefix (nothing is lost by reusing it), then
+a freed block with a cached prefix, least recently freed first, dropping its hash, and only then a block
+never used yet. A block whose ref count drops to 0 keeps its hash (its K/V stay valid and a later
+request with the same prefix may take it back until its block is reused). Callers free a request's
+blocks tail first, so a prefix's last blocks are evicted before its first.
+
+NOTE: the KV tensor is allocated untouched (zero pages), so a fresh block costs memory only once it is
+written. Reusing freed blocks before fresh ones keeps the cache's resident memory at the most blocks
+ever held at once, not at its whole reservation (16 sequences of 8k tokens of a small model is GBs);
+the price is that cached prefixes live only within that footprint.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_count = 1
         self.enable_caching = enable_caching
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._fresh: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._free_uncached: OrderedDict[int, KVBlock] = OrderedDict()
+        self._free_cached: OrderedDict[int, KVBlock] = OrderedDict()  # LRU: least recently freed first
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -53,7 +61,10 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._fresh) + len(self._free_uncached) + len(self._free_cached)
+
+    def _is_free(self, block: KVBlock) -> bool:
+        return any(block.block_id in queue for queue in (self._fresh, self._free_uncached, self._free_cached))
 
     @property
     def usage(self) -> float:
@@ -64,11 +75,12 @@ class BlockPool:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, count: int) -> list[KVBlock]:
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} blocks with {self.num_free} free")
         taken = []
         for _ in range(count):
-            _, block = self._free.popitem(last=False)
+            queue = next(q for q in (self._free_uncached, self._free_cached, self._fresh) if q)
+            _, block = queue.popitem(last=False)
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -78,7 +90,8 @@ class BlockPool:
         """Take a reference to blocks found in the prefix cache (reviving them if they were free)."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                for queue in (self._free_cached, self._free_uncached):
+                    queue.pop(block.block_id, None)
             block.ref_count += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -89,7 +102,8 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = block
+                cached = block.block_hash is not None and self._cached.get(block.block_hash) is block
+                (self._free_cached if cached else self._free_uncached)[block.block_id] = block
 
     def register(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Record a full block under its hash; the first block with a given hash stays the cached one."""
@@ -116,5 +130,5 @@ class BlockPool:
                 raise AssertionError(
                     f"block {block.block_id} has ref count {block.ref_count}, expected {expected}"
                 )
-            if (block.ref_count == 0) != (block.block_id in self._free):
+            if (block.ref_count == 0) != self._is_free(block):
                 raise AssertionError(f"block {block.block_id} free-list membership is wrong")

@@ -8,13 +8,15 @@ from pathlib import Path
 from kiln.backends.base import KVCacheSpec
 from kiln.runtime.scheduler import SchedulerConfig
 
-DEFAULT_KV_CACHE_FRACTION = 0.1
+DEFAULT_KV_CACHE_FRACTION = 0.5  # the most of the memory available now that the KV cache may take
+DEFAULT_MAX_MODEL_LEN = 8192  # a longer model context is used only when asked for (--max-model-len)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """`kv_cache_memory` (bytes) sizes the KV cache; without it, `kv_cache_fraction` of the memory
-    available now. `num_blocks` overrides both (tests). `max_model_len` None: the model's context."""
+    """The KV cache holds `max_num_seqs` sequences of `max_model_len` tokens, at most `kv_cache_fraction`
+    of the memory available now; `kv_cache_memory` (bytes) or `num_blocks` set it instead.
+    `max_model_len` None: the model's context, up to DEFAULT_MAX_MODEL_LEN."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -47,16 +49,54 @@ def available_memory_bytes() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory")
 
 
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
-    if config.num_blocks is not None:
-        return config.num_blocks
-    budget = config.kv_cache_memory
-    if budget is None:
-        budget = int(available_memory_bytes() * config.kv_cache_fraction)
-    blocks = budget // spec.bytes_per_block(config.block_size)
-    if blocks < 2:
-        needed = 2 * spec.bytes_per_block(config.block_size)
-        raise ValueError(
-            f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks; give at least {needed}"
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int  # block 0, the null block, included
+    block_size: int
+    bytes: int
+    why: str
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_blocks - 1:,} blocks of {self.block_size} tokens = {self.num_tokens:,} tokens, "
+            f"{self.bytes / 2**20:,.0f} MiB ({self.why})"
         )
-    return int(blocks)
+
+
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> KVCachePlan:
+    """The KV cache's size: what `config` asks for, else enough for max_num_seqs full-length sequences,
+    capped at kv_cache_fraction of the memory available now."""
+    per_block = spec.bytes_per_block(config.block_size)
+
+    def made(num_blocks: int, why: str) -> KVCachePlan:
+        return KVCachePlan(num_blocks, config.block_size, num_blocks * per_block, why)
+
+    if config.num_blocks is not None:
+        return made(config.num_blocks, "num_blocks")
+    if config.kv_cache_memory is not None:
+        blocks = config.kv_cache_memory // per_block
+        if blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory of {config.kv_cache_memory} bytes holds fewer than 2 blocks; give at least "
+                f"{2 * per_block}"
+            )
+        return made(int(blocks), "kv_cache_memory")
+    seqs = config.scheduler.max_num_seqs
+    needed = seqs * -(-max_model_len // config.block_size) + 1
+    available = available_memory_bytes()
+    cap = int(available * config.kv_cache_fraction) // per_block
+    if cap < 2:
+        raise ValueError(
+            f"{available:,} bytes of memory are available; the KV cache needs at least {2 * per_block:,}"
+        )
+    if needed <= cap:
+        return made(needed, f"{seqs} sequences of {max_model_len:,} tokens")
+    return made(
+        int(cap),
+        f"{seqs} sequences of {max_model_len:,} tokens would need {needed * per_block / 2**20:,.0f} MiB; "
+        f"capped at {config.kv_cache_fraction:.0%} of the {available / 2**30:.1f} GiB available",
+    )

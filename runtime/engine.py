@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.backends.base import Executable
-from kiln.runtime.config import EngineConfig, num_kv_blocks
+from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -50,9 +50,10 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.executable = executable
         self.tokenizer = tokenizer
-        self.max_model_len = min(self.config.max_model_len or max_model_len, max_model_len)
+        self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
-        self.num_blocks = num_kv_blocks(self.config, executable.kv_cache_spec)
+        self.kv_cache_plan = plan_kv_cache(self.config, executable.kv_cache_spec, self.max_model_len)
+        self.num_blocks = self.kv_cache_plan.num_blocks
         self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size)
         self.kv = KVCacheManager(
             self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
@@ -79,6 +80,16 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, which leaves no room in the model's context of "
                 f"{self.max_model_len} tokens (max_model_len); shorten the prompt"
+            )
+        scheduler = self.scheduler.config
+        # Without chunked prefill a prompt is computed in one step. The whole prompt is counted even
+        # where a cached prefix would shorten that step: the cache may have evicted it by then.
+        if not scheduler.enable_chunked_prefill and len(token_ids) > scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than the {scheduler.max_num_batched_tokens} "
+                f"tokens one step computes (max_num_batched_tokens), and chunked prefill is disabled; "
+                f"raise max_num_batched_tokens to at least {len(token_ids)}, enable chunked prefill, or "
+                f"shorten the prompt"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if len(token_ids) + max_tokens > self.max_model_len:

@@ -64,11 +64,9 @@ def fail(message: str) -> None:
 
 def make_program(config_fields: dict[str, Any], seed: int) -> Any:
     """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
-    from kiln.frontend.capture import capture_weights
+    from kiln.build import PipelineOptions, optimize
     from kiln.frontend.config import ModelConfig
     from kiln.frontend.models import model_class
-    from kiln.ir import Program
-    from kiln.passes import PassManager, PassOptions, pipeline
 
     config = ModelConfig(**config_fields)
     with torch.device("meta"):
@@ -80,9 +78,7 @@ def make_program(config_fields: dict[str, Any], seed: int) -> Any:
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             tensor.add_(1.0)  # norms near 1, as in trained models
-    captured = capture_weights(config, weights)
-    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
-    return program
+    return optimize(config, weights, PipelineOptions(opt_level=2)).program
 
 
 def bundle(out: Path, arch: str) -> None:

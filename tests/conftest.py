@@ -1,14 +1,18 @@
 """Shared test fixtures. The real-model ones skip, with the reason, where the model is not fetched."""
 
 import io
+import json
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
+
+from kiln.frontend.config import ModelConfig
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +28,9 @@ def smollm2_gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_built(smollm2_gguf_path: Path):
     """SmolLM2 loaded from its GGUF, captured, unoptimised (O0) on the reference backend: the oracle."""
-    from kiln.build import build_reference
+    from kiln.build import PipelineOptions, build_reference
 
-    return build_reference(str(smollm2_gguf_path), opt_level=0)
+    return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=0))
 
 
 @pytest.fixture(scope="session")
@@ -182,3 +186,127 @@ def _check_batch_invariance(executable: Any, tokenizer: Any, model_id: str = "mo
 def check_batch_invariance() -> Any:
     """The runtime's batch-invariance check, for any executable (see `_check_batch_invariance`)."""
     return _check_batch_invariance
+
+
+# -- a tiny random-weight Llama on the reference backend, with a small word-level tokenizer: real engine
+# steps in milliseconds, for tests that need many of them.
+
+TINY_VOCAB = 96
+TINY_CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=TINY_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}"
+
+
+def _tiny_tokenizer() -> Any:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kiln.runtime.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, TINY_VOCAB)}}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = [
+        {
+            "id": 1,
+            "content": "</s>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    ]
+    return Tokenizer(json.dumps(data), TINY_CHAT_TEMPLATE, None, "</s>", False, [1])
+
+
+class FaultyExecutable:
+    """Fault injection around a real executable: from step call `fail_at_step` on (None: never) its
+    step raises RuntimeError; every step first sleeps `step_delay_s` (a slow device)."""
+
+    def __init__(self, inner: Any, fail_at_step: int | None, step_delay_s: float) -> None:
+        self.inner = inner
+        self.kv_cache_spec = inner.kv_cache_spec
+        self.fail_at_step = fail_at_step
+        self.step_delay_s = step_delay_s
+        self.calls = 0
+
+    def step(self, inputs: Any, kv_cache: Any) -> Any:
+        self.calls += 1
+        time.sleep(self.step_delay_s)
+        if self.fail_at_step is not None and self.calls >= self.fail_at_step:
+            raise RuntimeError(f"injected device fault in step call {self.calls}")
+        return self.inner.step(inputs, kv_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> tuple[Any, Any]:
+    """The tiny model's executable and tokenizer (whose chat template joins the messages' contents)."""
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.frontend.capture import capture_weights
+
+    captured = capture_weights(TINY_CONFIG, tiny_weights())
+    return ReferenceExecutable(captured.graph, captured.weights), _tiny_tokenizer()
+
+
+def tiny_weights() -> dict[str, Any]:
+    """The tiny Llama's random weights (seed 0)."""
+    import torch
+
+    from kiln.frontend.models import model_class
+
+    with torch.device("meta"):
+        shapes = model_class(TINY_CONFIG)(TINY_CONFIG).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, random weights) of the tiny Llama: no HF files, quick to capture and compile."""
+    return TINY_CONFIG, tiny_weights()
+
+
+@pytest.fixture
+def make_tiny_engine(tiny_model) -> Any:
+    """An LLMEngine (or `engine_class`) on the tiny model; with `fail_at_step` or `step_delay_s` its
+    executable is a `FaultyExecutable` (`engine.executable.fail_at_step` can be moved later)."""
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.scheduler import SchedulerConfig
+
+    def make(
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 32,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        fail_at_step: int | None = None,
+        step_delay_s: float = 0.0,
+        engine_class: type[LLMEngine] = LLMEngine,
+    ) -> LLMEngine:
+        executable, tokenizer = tiny_model
+        if fail_at_step is not None or step_delay_s:
+            executable = FaultyExecutable(executable, fail_at_step, step_delay_s)
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        )
+        return engine_class(executable, tokenizer, "tiny", TINY_CONFIG.max_position_embeddings, config)
+
+    return make

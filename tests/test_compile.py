@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ def kiln(*args: str) -> subprocess.CompletedProcess[str]:
 def artifact(tmp_path_factory, smollm2_gguf_path: Path) -> Path:
     out = tmp_path_factory.mktemp("compile") / "smollm2"
     result = kiln(
-        "compile", str(smollm2_gguf_path), "--quantization", "gguf", "--target", "cpu", "-o", str(out)
+        "compile", str(smollm2_gguf_path), "--backend", "reference", "--quantization", "gguf", "-o", str(out)
     )
     assert result.returncode == 0, result.stderr
     assert "[#####] write" in result.stderr  # a progress line per stage
@@ -57,7 +58,8 @@ def test_compiling_twice_gives_identical_files(
     artifact: Path, tmp_path: Path, smollm2_gguf_path: Path
 ) -> None:
     again = tmp_path / "again"
-    result = kiln("compile", str(smollm2_gguf_path), "--quantization", "gguf", "-o", str(again), "--json")
+    args = ["--backend", "reference", "--quantization", "gguf", "-o", str(again), "--json"]
+    result = kiln("compile", str(smollm2_gguf_path), *args)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["targets"]["cpu"]["backend"] == "reference" and summary["files"] == 5
@@ -71,7 +73,7 @@ def test_compiling_twice_gives_identical_files(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--target", "cuda:sm_90"], "reference backend runs on the CPU"),
+        (["--backend", "reference", "--target", "cuda:sm_90"], "reference backend runs on the CPU"),
         (["--target", "gpu:9000"], "unknown target 'gpu:9000'"),
         (["--backend", "tvm", "--target", "cpu:nosuchcpu"], "LLVM does not know the CPU 'nosuchcpu'"),
     ],
@@ -87,3 +89,59 @@ def test_a_failure_exits_1_with_one_line(tmp_path: Path) -> None:
     result = kiln("compile", str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "out"))
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "missing.gguf" in result.stderr
+
+
+def _one_line_refusal(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error: ") and "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_an_output_that_is_not_an_artifact_is_never_replaced(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "precious.txt").write_text("keep me")
+    _one_line_refusal(kiln("compile", "smollm2-135m-instruct", "-o", str(precious)), str(precious), "--force")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me too")
+    _one_line_refusal(kiln("compile", "smollm2-135m-instruct", "-o", str(a_file)), str(a_file), "is a file")
+    for protected in (".", str(Path.home()), "/"):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kiln.cli",
+                "compile",
+                "smollm2-135m-instruct",
+                "-o",
+                protected,
+                "--force",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=precious,
+        )
+        _one_line_refusal(result, "even with --force")
+    assert (precious / "precious.txt").read_text() == "keep me" and (precious / "sub").is_dir()
+    assert a_file.read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "precious"]  # no scratch left
+
+
+@pytest.mark.slow
+def test_an_artifact_is_replaced_and_force_replaces_anything(tmp_path: Path, artifact: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(artifact, out)
+    (out / "stale.txt").write_text("from an older compile")  # still an artifact: replaced whole
+    args = ["compile", "smollm2-135m-instruct", "--backend", "reference", "--quantization", "gguf", "--quiet"]
+    assert kiln(*args, "-o", str(out)).returncode == 0
+    assert not (out / "stale.txt").exists() and (out / "manifest.json").is_file()
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    (forced / "old.txt").write_text("the user said --force")
+    result = kiln(*args, "-o", str(forced), "--force")
+    assert result.returncode == 0, result.stderr
+    assert not (forced / "old.txt").exists() and (forced / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forced", "out"]  # no scratch left

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import kiln
@@ -23,3 +25,45 @@ def test_llm_generate_keeps_the_prompt_order(smollm2_gguf_path) -> None:
     assert "Paris" in reply.outputs[0].text
     with pytest.raises(ValueError, match="sampling params for 3 prompts"):
         llm.generate(prompts, [params])
+
+
+@pytest.mark.slow
+def test_the_default_is_tvm_with_the_gguf_blocks(smollm2_gguf_path, tmp_path) -> None:
+    from kiln.llm import OptionsError, describe
+    from kiln.runtime.artifact import is_artifact
+
+    llm = kiln.LLM(str(smollm2_gguf_path), max_num_seqs=2, max_model_len=512)
+    assert describe(llm.artifact).startswith("backend tvm, target cpu (")
+    assert "quantization gguf" in describe(llm.artifact)
+    assert llm.engine.num_blocks == 2 * 512 // 16 + 1  # what the limits need, no more
+    assert is_artifact(llm.artifact.path)
+    with pytest.raises(OptionsError, match="compiled with backend tvm, not reference"):
+        kiln.LLM(str(llm.artifact.path), backend="reference")
+    with pytest.raises(OptionsError, match="compiled with quantization gguf, not int4"):
+        kiln.LLM(str(llm.artifact.path), quantization="int4")
+    from kiln.cli import main
+
+    assert main(["inspect", str(llm.artifact.path), "--ir"]) == 2  # compiled code: no IR to print
+
+
+def test_auto_picks_tvm_for_this_cpu_and_names_the_reason() -> None:
+    from kiln.backends.targets import host_gpu_arch
+    from kiln.compiler import plan
+
+    chosen = plan()
+    if host_gpu_arch() is None:
+        assert (chosen.backend, [t.name for t in chosen.targets]) == ("tvm", ["cpu"])
+        assert "no NVIDIA GPU" in chosen.reason
+    assert plan("reference").backend == "reference"
+    assert [t.name for t in plan("auto", "cpu:znver3").targets] == ["cpu:znver3"]
+
+
+def test_auto_quantization_keeps_gguf_blocks_and_float_models_float(smollm2_gguf_path) -> None:
+    from kiln.build import resolve_quantization
+    from kiln.frontend.load import load_model
+
+    source = load_model(str(smollm2_gguf_path))
+    assert resolve_quantization("auto", source) == "gguf"
+    assert resolve_quantization(None, source) is None and resolve_quantization("int4", source) == "int4"
+    floats = dataclasses.replace(source, weights={name: w for name, w in source.float_weights().items()})
+    assert resolve_quantization("auto", floats) is None

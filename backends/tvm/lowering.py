@@ -243,8 +243,8 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             x3,
             packed,
             scale_param,
-            *([zero_param] if zero_param else []),
-            *([bias_arg] if bias_arg else []),
+            *([zero_param] if zero_param is not None else []),
+            *([bias_arg] if bias_arg is not None else []),
         ]
         kernel = lw.kernel(
             "qlinear",
@@ -480,7 +480,9 @@ def lower_graph(
     which uses `decode_kernels`' kernel where it gives one and the generic kernel otherwise."""
     problems = unsupported_nodes(graph)
     if problems:
-        raise BackendError(problems[0], hint="use the reference backend for this model, or add a lowering")
+        raise BackendError(
+            problems[0], hint="`--backend reference` runs every op; or add a TVM lowering for this one"
+        )
     lw = Lowerer(graph, target_kind, schedule)
     _lower_function(lw, "step", None)
     functions = ["step"]

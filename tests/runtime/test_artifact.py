@@ -18,7 +18,7 @@ def compiled(tmp_path_factory, tiny_hf_dir) -> Path:
     from kiln.compiler import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("artifact") / "tiny"
-    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(), out)
+    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(backend="reference"), out)
     return out
 
 
@@ -75,6 +75,34 @@ def test_tampered_weights_are_refused_naming_the_file(compiled: Path, tmp_path: 
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=rf"checksum mismatch for weights/{weights.name}"):
         load_artifact(copy)
+
+
+def test_verdicts_skip_hashing_unchanged_files_and_still_catch_tampering(
+    compiled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from kiln.runtime import artifact as fmt
+
+    copy, verdicts = _copy(compiled, tmp_path), tmp_path / "verdicts"
+    hashed: list[Path] = []
+    real_sha256 = fmt.sha256_file
+    monkeypatch.setattr(fmt, "sha256_file", lambda path: hashed.append(path) or real_sha256(path))
+    load_artifact(copy, verdicts=verdicts)
+    files = len(json.loads((copy / "manifest.json").read_text())["files"])
+    assert len(hashed) == files and len(list(verdicts.iterdir())) == 1
+    hashed.clear()
+    load_artifact(copy, verdicts=verdicts)
+    assert hashed == []  # every file unchanged since its verdict
+    (weights,) = (copy / "weights").iterdir()
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size and mtime: ctime moved
+    with pytest.raises(ArtifactError, match=rf"checksum mismatch for weights/{weights.name}"):
+        load_artifact(copy, verdicts=verdicts)
+    assert hashed == [weights]
 
 
 def test_a_missing_file_is_named(compiled: Path, tmp_path: Path) -> None:

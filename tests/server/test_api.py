@@ -16,6 +16,12 @@ FRANCE = "The capital of France is"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_the_startup_line_says_what_is_served(api_server) -> None:
+    (line,) = [line for line in api_server.log().splitlines() if line.startswith("kiln: serving ")]
+    assert f"on {api_server.url} (backend tvm, target cpu (" in line and "quantization gguf" in line
+    assert "max_model_len 1,024, max_num_seqs 16; KV cache 1,024 blocks of 16 tokens" in line
+
+
 def test_models_lists_the_served_model(api_server) -> None:
     models = api_server.client().models.list()
     assert [m.id for m in models.data] == [api_server.model]

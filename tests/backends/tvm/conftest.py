@@ -5,30 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.backends.base import CompileSettings, Executable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
-from kiln.frontend.capture import capture_weights
-from kiln.frontend.config import ModelConfig
-from kiln.frontend.models import model_class
+from kiln.build import PipelineOptions, optimize
 from kiln.ir import Program
-from kiln.passes import PassManager, PassOptions, pipeline
-
-TINY_LLAMA = ModelConfig(  # the tiny Llama of tests/runtime/conftest.py
-    architecture="LlamaForCausalLM",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-)
 
 
 def compile_tvm_cpu(program: Program, folder: Path) -> Executable:
@@ -38,15 +20,10 @@ def compile_tvm_cpu(program: Program, folder: Path) -> Executable:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_program() -> Program:
-    """The tiny Llama with random weights (seed 0), at O2: no HF files, quick to compile."""
-    with torch.device("meta"):
-        shapes = model_class(TINY_LLAMA)(TINY_LLAMA).state_dict()
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
-    captured = capture_weights(TINY_LLAMA, weights)
-    program, _ = PassManager(pipeline(2, PassOptions())).run(Program(captured.graph, captured.weights))
-    return program
+def tiny_llama_program(tiny_llama) -> Program:
+    """The tiny Llama (tests/conftest.py) at O2."""
+    config, weights = tiny_llama
+    return optimize(config, weights, PipelineOptions(opt_level=2)).program
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +40,6 @@ def smollm2_tvm(smollm2_o2, tmp_path_factory: pytest.TempPathFactory) -> Executa
 @pytest.fixture(scope="session")
 def smollm2_q4_1(smollm2_gguf_path: Path):
     """SmolLM2 with its GGUF Q4_1 (and Q8_0 LM head) blocks imported, O2, on the reference backend."""
-    from kiln.build import build_reference
+    from kiln.build import PipelineOptions, build_reference
 
-    return build_reference(str(smollm2_gguf_path), opt_level=2, quantization="gguf")
+    return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=2, quantization="gguf"))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server and llama-bench for THIS host, from the llama.cpp source vendored in
+# the llama-cpp-python sdist on PyPI (no other network access needed). Used by `make bench-peers`.
+#
+#   scripts/build_llama_cpp.sh DEST [VERSION]     -> DEST/bin/llama-server, DEST/bin/llama-bench
+#
+# -DGGML_NATIVE=ON compiles for the host's instruction set (AVX2 only, AVX-512, VNNI...). Only what the
+# host reports but cannot run is turned off: some VMs report AMX without enabling it, and llama.cpp's
+# AMX kernels then die with an illegal instruction, so AMX is disabled unless KILN_LLAMA_AMX=1.
+set -euo pipefail
+dest=$(realpath -m "${1:?usage: build_llama_cpp.sh DEST [VERSION]}")
+version=${2:-0.3.36}
+work="$dest/src"
+mkdir -p "$work" "$dest/bin"
+if [ ! -f "$work/llama_cpp_python-$version.tar.gz" ]; then
+  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
+fi
+if [ ! -d "$work/llama_cpp_python-$version" ]; then
+  tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
+fi
+source_dir="$work/llama_cpp_python-$version/vendor/llama.cpp"
+flags=""
+if grep -qw amx_tile /proc/cpuinfo && [ "${KILN_LLAMA_AMX:-0}" != 1 ]; then
+  flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+cmake -S "$source_dir" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$dest/cmake.log"
+cmake --build "$dest/build" --target llama-server llama-bench -j "$(nproc)" >"$dest/build.log"
+cp "$dest/build/bin/llama-server" "$dest/build/bin/llama-bench" "$dest/bin/"
+isa=$(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || (grep -qw avx2 /proc/cpuinfo && echo AVX2 || echo "no AVX2"))
+echo "built $dest/bin/llama-server and llama-bench (llama.cpp from llama-cpp-python $version, -march=native: $isa)"

@@ -1,0 +1,66 @@
+"""The KV cache's size comes from what the limits need, capped by available memory; its host memory is
+committed only as blocks are written, and the block pool reuses freed blocks before fresh ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.backends.base import KVCacheSpec
+from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.config import EngineConfig, available_memory_bytes, plan_kv_cache
+from kiln.runtime.scheduler import SchedulerConfig
+
+SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)  # SmolLM2-135M
+PER_BLOCK = SPEC.bytes_per_block(16)
+
+
+def test_the_default_holds_max_num_seqs_full_length_sequences() -> None:
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4))
+    plan = plan_kv_cache(config, SPEC, max_model_len=1000)
+    assert plan.num_blocks == 4 * 63 + 1  # ceil(1000 / 16) blocks a sequence, and the null block
+    assert plan.num_tokens == 4 * 63 * 16 and plan.bytes == plan.num_blocks * PER_BLOCK
+    assert "4 sequences of 1,000 tokens" in plan.describe()
+
+
+def test_the_default_is_capped_by_available_memory() -> None:
+    config = EngineConfig(kv_cache_fraction=0.01, scheduler=SchedulerConfig(max_num_seqs=1024))
+    plan = plan_kv_cache(config, SPEC, max_model_len=131072)
+    assert plan.bytes <= available_memory_bytes() * 0.01 * 1.01
+    assert "capped at 1% of the" in plan.describe()
+
+
+def test_explicit_sizes_win() -> None:
+    assert plan_kv_cache(EngineConfig(num_blocks=7), SPEC, 8192).num_blocks == 7
+    by_bytes = plan_kv_cache(EngineConfig(kv_cache_memory=10 * PER_BLOCK + 5), SPEC, 8192)
+    assert by_bytes.num_blocks == 10 and "kv_cache_memory" in by_bytes.describe()
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        plan_kv_cache(EngineConfig(kv_cache_memory=PER_BLOCK), SPEC, 8192)
+
+
+def _resident_anon_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
+
+
+def test_a_host_cache_costs_memory_only_where_written() -> None:
+    before = _resident_anon_kib()
+    cache = SPEC.allocate(8193, 16)  # 5.6 GiB reserved
+    assert cache.shape == (30, 2, 8193, 16, 3, 64) and cache.is_contiguous()
+    assert cache.data_ptr() % 64 == 0  # the TVM kernels' aligned loads
+    assert float(cache[:, :, 4096].abs().sum()) == 0.0
+    cache[:, :, 1:3] = 1.0  # two blocks in every layer: 1.4 MiB
+    assert _resident_anon_kib() - before < 64 * 1024
+
+
+def test_freed_blocks_are_reused_before_fresh_ones_and_cached_ones_last() -> None:
+    pool = BlockPool(10)
+    first = pool.allocate(3)
+    pool.register(first[0], b"prefix")
+    pool.free(reversed(first))
+    again = pool.allocate(2)
+    assert {b.block_id for b in again} == {first[1].block_id, first[2].block_id}  # no hash: reused first
+    assert pool.lookup(b"prefix") is first[0]
+    (evicted,) = pool.allocate(1)
+    assert evicted is first[0] and pool.lookup(b"prefix") is None  # then the cached one, then fresh
+    assert {b.block_id for b in pool.allocate(2)} == {4, 5}
