@@ -24,7 +24,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# kept as blocks (imported by `--quantization gguf`, dequantized with `gguf` for capture)
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -338,7 +339,8 @@ def _tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
         return QuantizedTensor(ggml_type=kind, shape=shape, blocks=blocks)
     raise ModelLoadError(
         f"{where}: tensor {tensor.name!r} has type {kind}, which Kiln cannot load",
-        hint=f"use a GGUF whose tensors are F32, F16, BF16, {', '.join(QUANTIZED_TYPES)}",
+        hint=f"use a GGUF whose tensors are F32, F16, BF16 or {', '.join(QUANTIZED_TYPES)} (e.g. a Q4_K_M, "
+        "Q5_K_M, Q6_K or Q8_0 file; llama.cpp's llama-quantize converts between types)",
     )
 
 

@@ -19,7 +19,7 @@ class QuantizedTensor:
     GGUF bytes, one row of blocks per output row.
     """
 
-    ggml_type: str  # "Q4_0", "Q4_1", "Q8_0"
+    ggml_type: str  # "Q4_0", "Q4_1", "Q8_0", "Q4_K", ... (gguf_loader.QUANTIZED_TYPES)
     shape: tuple[int, ...]
     blocks: np.ndarray  # uint8
 

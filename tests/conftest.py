@@ -310,3 +310,37 @@ def make_tiny_engine(tiny_model) -> Any:
         return engine_class(executable, tokenizer, "tiny", TINY_CONFIG.max_position_embeddings, config)
 
     return make
+
+
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
+
+
+def _random_gguf_blocks(ggml_type: str, rows: int, k: int, seed: int = 0, edges: bool = True) -> np.ndarray:
+    """Random bytes in `ggml_type`'s blocks, every f16 field (d, dmin, m) a finite value of about 0.01;
+    with `edges` also zeros, subnormals and the largest, so scales of every magnitude are imported."""
+    from kiln.passes.quantize.gguf_kquants import KQUANTS
+
+    kind = KQUANTS[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * k // kind.values, kind.block_bytes), dtype=np.uint8)
+    f16_fields = {
+        "Q4_K": (0, 2),
+        "Q5_K": (0, 2),
+        "Q6_K": (208,),
+        "Q2_K": (80, 82),
+        "Q3_K": (108,),
+        "Q5_0": (0,),
+        "Q5_1": (0, 2),
+    }[ggml_type]
+    edge = np.array([0.0, -0.0, 6e-8, -6e-5, 65504.0, -65504.0, 1.0, 1e-3], dtype=np.float16)
+    for offset in f16_fields:
+        values = rng.standard_normal(len(blocks)).astype(np.float16) * np.float16(0.01)
+        if edges:
+            values[: len(edge)] = edge
+        blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(scope="session")
+def random_gguf_blocks() -> Any:
+    return _random_gguf_blocks

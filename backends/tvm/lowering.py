@@ -194,7 +194,7 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     x_value, qweight, scales, zeros = (*node.inputs, None, None)[:4]
     bias = node.inputs[4] if len(node.inputs) > 4 else None
     bits, group, scheme, packing = (node.attrs[a] for a in ("bits", "group_size", "scheme", "packing"))
-    supported = (bits == 4 and scheme in ("zero_point", "min")) or (bits == 8 and scheme == "symmetric")
+    supported = (bits, scheme) in ((4, "zero_point"), (4, "min"), (8, "symmetric"), (8, "min"))
     if not supported:
         raise BackendError(
             f"tvm: quantized_linear with {bits} bits, scheme {scheme} has no kernel: {node.describe()}"

@@ -10,6 +10,7 @@ import torch
 
 from kiln.ir.ops.quant import pack_int4
 from kiln.passes.base import PassError
+from kiln.passes.quantize.gguf_kquants import KQUANTS, import_kquant
 
 # ggml type → (bytes per block of 32 values, scheme)
 GGUF_BLOCKS = {"Q8_0": (34, "symmetric"), "Q4_0": (18, "zero_point"), "Q4_1": (20, "min")}
@@ -80,7 +81,15 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
 
 
 def import_gguf(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int], name: str) -> QuantizedWeight:
-    """GGUF Q8_0 / Q4_0 / Q4_1 blocks as our layout, without re-quantizing: scales (and mins) stay f16."""
+    """GGUF blocks as our layout, without re-quantizing: Q8_0 / Q4_0 / Q4_1 as they are (scales and mins
+    stay f16), the K-quants and Q5 types through gguf_kquants.py."""
+    if ggml_type in KQUANTS:
+        imported = import_kquant(ggml_type, blocks, shape)
+        kind = imported.kind
+        packing = "pairs" if kind.bits == 4 else "none"
+        return QuantizedWeight(
+            imported.q, imported.scales, imported.mins, kind.bits, kind.group, kind.scheme, packing
+        )
     if ggml_type not in GGUF_BLOCKS:
         raise PassError(f"weight {name}: GGUF type {ggml_type} cannot be imported", hint="use int8 or int4")
     block_bytes, scheme = GGUF_BLOCKS[ggml_type]

@@ -198,7 +198,7 @@ def write_gguf(
     arch: str = "llama",
     ggml_type: str = "F32",
     metadata: dict[str, Any] | None = None,
-    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_tensors: dict[str, np.ndarray | tuple[np.ndarray, str]] | None = None,
     name: str = "tiny test model",
 ) -> Path:
     """Write `weights` as llama.cpp does: GGUF names, "llama" Q/K rows permuted, matrices as `ggml_type`."""
@@ -228,8 +228,11 @@ def write_gguf(
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, KV_HEADS)
         _add_tensor(writer, _gguf_name(name), array, ggml_type if array.ndim == 2 else "F32")
-    for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, array)
+    for name, extra in (extra_tensors or {}).items():  # an array, or (raw blocks, their ggml type)
+        if isinstance(extra, tuple):
+            writer.add_tensor(name, extra[0], raw_dtype=Q[extra[1]])
+        else:
+            writer.add_tensor(name, extra)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -388,6 +391,24 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     write_gguf(path, weights, extra_tensors=extra)
     with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_up\.weight' has type F64"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("ggml_type", ["IQ4_NL", "TQ2_0", "MXFP4"])
+def test_types_kiln_does_not_run_are_refused_naming_tensor_type_and_remedy(
+    tmp_path: Path, ggml_type: str
+) -> None:
+    weights = tiny_weights()
+    up = weights.pop("model.layers.0.mlp.up_proj.weight")
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[Q[ggml_type]]
+    rows, k = up.shape[0], max(up.shape[1], block_values)
+    raw = np.zeros((rows, k // block_values * block_bytes), dtype=np.uint8)
+    path = tmp_path / f"{ggml_type}.gguf"
+    write_gguf(path, weights, extra_tensors={"blk.0.ffn_up.weight": (raw, ggml_type)})
+    with pytest.raises(
+        ModelLoadError, match=rf"tensor 'blk\.0\.ffn_up\.weight' has type {ggml_type}"
+    ) as error:
+        load_gguf(path)
+    assert "Q4_K_M" in str(error.value.hint)
 
 
 def test_unexpected_tensor(tmp_path: Path) -> None:

@@ -30,6 +30,21 @@ def test_gguf_blocks_import_bit_identically(ggml_type: str) -> None:
     assert torch.equal(_dequantized(imported), torch.from_numpy(expected))
 
 
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1"])
+def test_kquant_and_q5_blocks_import_bit_identically(ggml_type: str, random_gguf_blocks) -> None:
+    from kiln.frontend.source import QuantizedTensor
+
+    rows, k = 16, 512
+    blocks = random_gguf_blocks(ggml_type, rows, k)
+    expected = QuantizedTensor(ggml_type, (rows, k), blocks).dequantize()  # gguf.quants.dequantize
+    assert torch.isfinite(expected).all()
+    imported = import_gguf(ggml_type, blocks, (rows, k), "w")
+    assert imported.scales.dtype == torch.float32
+    ours = _dequantized(imported)
+    assert torch.equal(ours, expected)
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))  # to the bit, signed zeros too
+
+
 def test_smollm2_q4_1_blocks_import_bit_identically(smollm2_gguf_path) -> None:
     from kiln.frontend.gguf_loader import load_gguf
 

@@ -25,7 +25,7 @@ def quant_tile(n: int, spec: QuantSpec) -> int | None:
     """The strip width this kernel uses for N outputs, or None when it does not apply."""
     if n % QUANT_TILE or spec.group_size % 2:
         return None
-    if (spec.bits, spec.scheme) not in ((4, "min"), (4, "zero_point"), (8, "symmetric")):
+    if (spec.bits, spec.scheme) not in ((4, "min"), (4, "zero_point"), (8, "symmetric"), (8, "min")):
         return None
     return QUANT_TILE
 
@@ -214,7 +214,11 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                 else:  # many rows: dequantize the strip once, then a float32 4-row micro-kernel
                     for kk in T.serial(k):
                         for lane in T.vectorized(tile):
-                            if scheme == 0:
+                            if scheme == 0 and not four_bit:
+                                strip[kk, lane] = T.Cast("float32", scales[jo, kk // group, lane]) * T.Cast(
+                                    "float32", w[jo, kk, lane]
+                                ) + T.Cast("float32", zeros[jo, kk // group, lane])
+                            elif scheme == 0:
                                 strip[kk, lane] = T.Cast("float32", scales[jo, kk // group, lane]) * T.Cast(
                                     "float32",
                                     (w[jo, kk // 2, lane] >> T.Cast("uint8", (kk % 2) * 4)) & T.uint8(15),

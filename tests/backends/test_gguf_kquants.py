@@ -1,0 +1,90 @@
+"""Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
+against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
+layers and LM head are random blocks of the type, prefills of 1, 4, 16 and 64 rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.backends.base import CompileSettings
+from kiln.backends.reference import ReferenceExecutable
+from kiln.backends.targets import Target
+from kiln.build import PipelineOptions, optimize
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.models import model_class
+from kiln.frontend.source import ModelSource, QuantizedTensor, TokenizerInfo
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+pytestmark = pytest.mark.slow  # a TVM and an ONNX Runtime compile per type
+
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
+ROWS = (1, 4, 16, 64)
+# Float32 kernels regroup the sums (scale once per group, dequantize-once strips): only rounding differs.
+TOLERANCE = 1e-4  # max |ours - reference| / max |reference|, on the logits
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
+
+
+def _program(ggml_type: str, random_gguf_blocks):
+    """The one-layer model with every linear weight (and the LM head) random blocks of `ggml_type`."""
+    with torch.device("meta"):
+        shapes = model_class(CONFIG)(CONFIG).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    weights: dict[str, torch.Tensor | QuantizedTensor] = {}
+    for seed, (name, tensor) in enumerate(sorted(shapes.items())):
+        if tensor.dim() == 2 and name != "model.embed_tokens.weight":
+            rows, k = tensor.shape
+            weights[name] = QuantizedTensor(
+                ggml_type, (rows, k), random_gguf_blocks(ggml_type, rows, k, seed, edges=False)
+            )
+        else:
+            weights[name] = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+    tokenizer = TokenizerInfo("{}", None, None, None, False, ())
+    source = ModelSource("kquant", Path("kquant.gguf"), CONFIG, weights, tokenizer)
+    floats = source.float_weights()
+    optimized = optimize(CONFIG, floats, PipelineOptions(opt_level=2, quantization="auto"), source)
+    assert optimized.quantization == "gguf"
+    return optimized.program
+
+
+def _logits(executable, num_rows: int) -> torch.Tensor:
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (num_rows,), generator=torch.Generator().manual_seed(num_rows)
+    )
+    blocks = list(range(1, -(-num_rows // 16) + 1))
+    inputs = build_step_inputs([SequenceSlice(tokens.tolist(), 0, blocks, list(range(num_rows)))], 16)
+    return executable.step(inputs, executable.kv_cache_spec.allocate(len(blocks) + 1, 16))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_tvm_and_onnxruntime_match_the_reference(ggml_type: str, tmp_path: Path, random_gguf_blocks) -> None:
+    from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
+    from kiln.backends.tvm.backend import TVMBackend
+
+    program = _program(ggml_type, random_gguf_blocks)
+    reference = ReferenceExecutable(program.graph, program.weights)
+    executables = {}
+    for backend in (TVMBackend(), OnnxRuntimeBackend()):
+        folder = tmp_path / backend.name
+        backend.compile(program, Target("cpu"), folder, CompileSettings(max_model_len=128))
+        executables[backend.name] = backend.load(folder, program.weights, Target("cpu"))
+    for num_rows in ROWS:
+        expected = _logits(reference, num_rows)
+        assert expected.shape == (num_rows, CONFIG.vocab_size) and torch.isfinite(expected).all()
+        for name, executable in executables.items():
+            error = float((_logits(executable, num_rows) - expected).abs().max() / expected.abs().max())
+            assert error < TOLERANCE, (ggml_type, name, num_rows, error)
