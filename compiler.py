@@ -177,8 +177,12 @@ def _scratch_beside(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.kiln-", dir=out.parent))
 
 
-def _swap_in(scratch: Path, out: Path, force: bool) -> None:
-    """Move the finished `scratch` folder to `out`, replacing what `check_output` allows."""
+def _swap_in(scratch: Path, out: Path, force: bool, keep_existing: bool = False) -> None:
+    """Move the finished `scratch` folder to `out`, replacing what `check_output` allows; with
+    `keep_existing`, an artifact that appeared at `out` meanwhile (another process compiling the same
+    cache entry) is kept and `scratch` is left for the caller to remove."""
+    if keep_existing and is_artifact(out):
+        return
     check_output(out, force)
     if out.exists() or out.is_symlink():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -221,7 +225,10 @@ def compile_model(
     out: Path,
     progress: Progress | None = None,
     force: bool = False,
+    keep_existing: bool = False,
 ) -> CompileResult:
+    """Compile `model` for `targets` into the folder `out` (see the module doc for what may be replaced;
+    `keep_existing`: an artifact already at `out` when this one is done wins, as a cache entry would)."""
     check_targets(options.backend, targets)
     check_output(out, force)
     backend = get_backend(options.backend)
@@ -307,7 +314,7 @@ def compile_model(
                 "targets": entries,
             },
         )
-        _swap_in(scratch, out, force)
+        _swap_in(scratch, out, force, keep_existing)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch)
@@ -378,8 +385,9 @@ def load_or_compile(
             return load_artifact(folder, verdicts=verdicts_folder())
         except ArtifactError as error:
             logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
+    damaged = is_artifact(folder)  # replace it; otherwise a concurrent compile's entry is as good as ours
     with progress_for(folder) if progress_for is not None else nullcontext() as progress:
-        compile_model(model, targets, options, folder, progress)
+        compile_model(model, targets, options, folder, progress, keep_existing=not damaged)
     _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
     return load_artifact(folder, verdicts=verdicts_folder())
 

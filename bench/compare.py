@@ -60,7 +60,7 @@ class KilnRow:
 KILN_ROWS = {
     "reference": KilnRow("kiln reference f32 (O2)", "reference", None),
     "tvm": KilnRow("kiln TVM-CPU f32", "tvm", None),
-    "tvm-gguf": KilnRow("kiln TVM-CPU gguf (Q4_1, Q8_0 head)", "tvm", "gguf"),
+    "tvm-gguf": KilnRow("kiln TVM-CPU gguf (the GGUF's own blocks)", "tvm", "gguf"),
     "ort": KilnRow("kiln ORT-CPU f32", "onnxruntime", None),
     "ort-int4": KilnRow("kiln ORT-CPU int4", "onnxruntime", "int4"),
 }
@@ -199,13 +199,17 @@ def _decode_bytes(sizes: dict[str, tuple[int, int]], gather_only: set[str]) -> i
 
 
 def _artifact_decode_bytes(path: Path) -> int:
-    """From the artifact's weights file; a float table X beside a quantized X.qweight (e.g. the gguf
-    import's f32 token embedding beside its Q8_0 LM head) is taken as gathered only."""
+    """From the artifact's weights file; a table only gathered from is counted one row: a float X
+    beside a quantized X.qweight, and the token embedding where the LM head has weights of its own
+    (untied, or the gguf import's quantized copy of a tied table)."""
     sizes = {
         name: (meta["data_offsets"][1] - meta["data_offsets"][0], max(1, (meta["shape"] or [1])[0]))
         for name, meta in _header(path).items()
     }
-    return _decode_bytes(sizes, {name for name in sizes if f"{name}.qweight" in sizes})
+    own_head = any(name.startswith("lm_head.weight") for name in sizes)
+    embedding = {"model.embed_tokens.weight"} if own_head else set()
+    gathered = {name for name in sizes if f"{name}.qweight" in sizes} | embedding
+    return _decode_bytes(sizes, gathered)
 
 
 # -- measuring a kiln artifact ---------------------------------------------------------------------
@@ -446,7 +450,7 @@ def _measure_llama_cpp(
         result.error = f"worker exited {done.returncode}: {tail[:160]}"
         return
     out = json.loads(lines[-1])
-    result.label = f"llama.cpp {out['version']} (Q4_1, Q8_0 head)"
+    result.label = f"llama.cpp {out['version']} (same GGUF)"
     result.prefill, result.decode = out["prefill"], out["decode"]
     result.streams = out.get("streams")
     result.notes += _short("prefill/decode", out["runs"], args.repeats, args.row_budget)

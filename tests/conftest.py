@@ -344,3 +344,24 @@ def _random_gguf_blocks(ggml_type: str, rows: int, k: int, seed: int = 0, edges:
 @pytest.fixture(scope="session")
 def random_gguf_blocks() -> Any:
     return _random_gguf_blocks
+
+
+def _hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+    """transformers' greedy continuation of `prompt_ids` (up to `num_tokens`, stopping at `eos_ids`)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids),
+            pad_token_id=eos_ids[0],
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Any:
+    return _hf_greedy

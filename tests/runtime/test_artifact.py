@@ -159,3 +159,18 @@ def test_another_backend_version_is_refused(compiled: Path, tmp_path: Path) -> N
 def test_a_folder_that_is_not_an_artifact(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match=r"no manifest\.json"):
         load_artifact(tmp_path)
+
+
+def test_a_cache_compile_keeps_an_entry_that_appeared_meanwhile(
+    compiled: Path, tiny_hf_dir: Path, tmp_path: Path
+) -> None:
+    from kiln.compiler import CompileOptions, compile_model
+
+    out = _copy(compiled, tmp_path)
+    (out / "theirs.txt").write_text("another process finished first")
+    options = CompileOptions(backend="reference")
+    compile_model(str(tiny_hf_dir), [Target("cpu")], options, out, keep_existing=True)
+    assert (out / "theirs.txt").is_file()
+    compile_model(str(tiny_hf_dir), [Target("cpu")], options, out)
+    assert not (out / "theirs.txt").exists() and is_artifact(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no scratch or old folder left

@@ -24,27 +24,16 @@ def _prompt_ids(built, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _hf_greedy(model, prompt_ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
-            max_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            eos_token_id=list(eos_ids),
-            pad_token_id=eos_ids[0],
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_match_transformers(smollm2_built, smollm2_hf, prompt: str, chat: bool) -> None:
+def test_greedy_tokens_match_transformers(
+    smollm2_built, smollm2_hf, hf_greedy, prompt: str, chat: bool
+) -> None:
     prompt_ids = _prompt_ids(smollm2_built, prompt, chat)
     eos_ids = smollm2_built.tokenizer.eos_token_ids
     ours = greedy_generate(smollm2_built.executable, prompt_ids, NUM_TOKENS, eos_ids)
-    assert ours == _hf_greedy(smollm2_hf, prompt_ids, eos_ids)
+    assert ours == hf_greedy(smollm2_hf, prompt_ids, NUM_TOKENS, eos_ids)
     assert len(ours) == NUM_TOKENS or ours[-1] in eos_ids
 
 
