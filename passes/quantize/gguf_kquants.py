@@ -7,7 +7,9 @@ bit and dequantizing our layout gives exactly `gguf.quants.dequantize`:
 
     q        the block with unit scales and no min (d = 1, sub-block scales 1, mins 0)
     scale    the block with every q set to 1 (the min term zeroed where there is one)
-    min      the block with every q set to 0 (= -dmin * m, or m for Q5_1)
+    min      the block with every q set to 0 (= -dmin * m)
+
+Q5_0 and Q5_1 have one group a block, whose f16 `d` (and `m`) are the scale and min as they are.
 
 | type | IR layout (bits, group, scheme)           | q range  |
 |------|-------------------------------------------|----------|
@@ -35,7 +37,6 @@ from kiln.ir.ops.quant import pack_int4
 Fill = tuple[tuple[int, int, bytes], ...]  # (start, end, the bytes repeated over [start, end)) in a block
 _ONE_F16 = np.float16(1.0).tobytes()
 _ZERO_F16 = np.float16(0.0).tobytes()
-_MINUS_ZERO_F16 = np.float16(-0.0).tobytes()
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class KQuant:
     q_one: Fill  # every q (after its offset) = 1
     q_zero: Fill  # every q = 0
     no_min: Fill  # the min term zeroed (dmin = 0, or m = 0)
+    block_floats: tuple[int, ...] = ()  # one group a block: the f16 scale (and min) offsets, read as is
 
 
 _SCALES_K_UNIT = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])  # Q4_K/Q5_K 6-bit packing: sc = 1, m = 0
@@ -109,27 +111,29 @@ KQUANTS: dict[str, KQuant] = {
         q_zero=((0, 32, b"\xff"), (32, 96, b"\x00")),
         no_min=(),
     ),
-    "Q5_0": KQuant(  # q = (ql | qh << 4) - 16
+    "Q5_0": KQuant(  # q = (ql | qh << 4) - 16; one group a block: d is the scale
         22,
         32,
         32,
         8,
         "symmetric",
         unit=((0, 2, _ONE_F16),),
-        q_one=((2, 6, b"\xff"), (6, 22, b"\x11")),
-        q_zero=((2, 6, b"\xff"), (6, 22, b"\x00")),
+        q_one=(),
+        q_zero=(),
         no_min=(),
+        block_floats=(0,),
     ),
-    "Q5_1": KQuant(
+    "Q5_1": KQuant(  # one group a block: d and m are the scale and min
         24,
         32,
         32,
         8,
         "min",
         unit=((0, 2, _ONE_F16), (2, 4, _ZERO_F16)),
-        q_one=((4, 8, b"\x00"), (8, 24, b"\x11")),
-        q_zero=((4, 24, b"\x00"),),
-        no_min=((2, 4, _MINUS_ZERO_F16),),  # d * 1 + (-0) is d to the bit, -0 included
+        q_one=(),
+        q_zero=(),
+        no_min=(),
+        block_floats=(0, 2),
     ),
 }
 
@@ -167,9 +171,19 @@ def import_kquant(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) ->
         first = values.reshape(rows, groups, kind.group)[..., 0]
         return torch.from_numpy(np.ascontiguousarray(first, dtype=np.float32))
 
+    def block_float(offset: int) -> torch.Tensor:  # f16 → f32 is exact, as is gguf's `d * 1.0`
+        values = flat[:, offset : offset + 2].copy().view(np.float16).astype(np.float32)
+        return torch.from_numpy(values.reshape(rows, groups))
+
     q = _dequantized(_filled(flat, kind.unit), ggml_type).reshape(rows, k)
-    scales = per_group(_dequantized(_filled(flat, kind.q_one, kind.no_min), ggml_type))
-    mins = per_group(_dequantized(_filled(flat, kind.q_zero), ggml_type)) if kind.scheme == "min" else None
+    if kind.block_floats:
+        scales = block_float(kind.block_floats[0])
+        mins = block_float(kind.block_floats[1]) if kind.scheme == "min" else None
+    else:
+        scales = per_group(_dequantized(_filled(flat, kind.q_one, kind.no_min), ggml_type))
+        mins = (
+            per_group(_dequantized(_filled(flat, kind.q_zero), ggml_type)) if kind.scheme == "min" else None
+        )
     values = torch.from_numpy(np.ascontiguousarray(q)).to(torch.int8)
     packed = pack_int4(values.to(torch.uint8), "pairs") if kind.bits == 4 else values
     return ImportedBlocks(packed, scales, mins, kind)
