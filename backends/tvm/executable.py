@@ -198,6 +198,7 @@ def kv_spec_from(manifest: dict[str, Any]) -> KVCacheSpec:
 
 
 def set_threads(num_threads: int | None) -> None:
-    """The TVM thread pool reads TVM_NUM_THREADS when it starts; a user's setting wins."""
-    if num_threads:
-        os.environ.setdefault("TVM_NUM_THREADS", str(num_threads))
+    """The TVM thread pool reads TVM_NUM_THREADS when it starts; a user's setting wins, then the
+    artifact's count, then every CPU this process may run on. Left unset, TVM guesses from the core
+    topology, and on a 2-vCPU VM it ran one thread (decode 110 instead of 175 tok/s)."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(num_threads or len(os.sched_getaffinity(0))))

@@ -5,6 +5,7 @@ engine; clear refusals."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,10 @@ artifact = load_artifact(Path(sys.argv[1]))
 loaded = time.perf_counter()
 now, recorded = probe_logits(artifact)
 libraries = sorted({line.split("/")[-1].strip() for line in open("/proc/self/maps") if "libtvm" in line})
+import os
 print(json.dumps({"libraries": libraries, "tvm_imported": "tvm" in sys.modules,
-                  "error": float((now - recorded).abs().max()), "load_s": loaded - start}))
+                  "error": float((now - recorded).abs().max()), "load_s": loaded - start,
+                  "threads": os.environ.get("TVM_NUM_THREADS")}))
 """
 
 
@@ -133,16 +136,20 @@ def test_artifact_runs_with_the_tvm_runtime_only(tmp_path: Path, tiny_hf) -> Non
     entry = manifest["targets"]["cpu"]
     assert entry["backend"] == "tvm" and entry["code"] == ["step.json", "step.so"]
     assert {"templated", "hand-written TIR"} <= set(entry["kernels"].values())
+    env = {name: value for name, value in os.environ.items() if name != "TVM_NUM_THREADS"}
     result = subprocess.run(
         [sys.executable, "-c", _RUNTIME_ONLY, str(tmp_path / "art")],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert "libtvm_runtime.so" in report["libraries"]
     assert "libtvm_compiler.so" not in report["libraries"] and not report["tvm_imported"]
     assert report["error"] == 0.0
+    # TVM left alone guesses its thread count from the core topology (one thread on a 2-vCPU VM)
+    assert report["threads"] == str(len(os.sched_getaffinity(0)))
 
 
 @pytest.mark.slow
