@@ -1,0 +1,69 @@
+"""How a decode step's cost grows with the context: per-layer attention time at several contexts.
+
+    .venv/bin/python bench/context_scaling.py DIR [--contexts 512 2048 6000] [--steps 32]
+
+For an artifact folder: fill the KV cache to each context with prefill steps of 512 tokens, then time
+`--steps` greedy decode steps (median step time). Attention is the only part of a decode step whose
+work grows with the context, so (step at context C − step at context 16) / layers is the attention
+time per layer at C, and dividing by C gives the cost per key, which a kernel that reuses its cache
+well keeps flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.artifact import load_artifact
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+BLOCK_SIZE = 16
+CHUNK = 512
+BASE_CONTEXT = 16
+
+
+def decode_step_seconds(executable, context: int, steps: int) -> float:
+    blocks = -(-(context + steps) // BLOCK_SIZE)
+    table = list(range(1, blocks + 1))
+    cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE)
+    prompt = torch.randint(100, 30000, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    for start in range(0, context, CHUNK):
+        piece = prompt[start : start + CHUNK]
+        logits = executable.step(build_step_inputs([SequenceSlice(piece, start, table)], BLOCK_SIZE), cache)
+    token, times = int(logits[-1].argmax()), []
+    for position in range(context, context + steps):
+        started = time.perf_counter()
+        inputs = build_step_inputs([SequenceSlice([token], position, table)], BLOCK_SIZE)
+        token = int(executable.step(inputs, cache)[-1].argmax())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 6000])
+    parser.add_argument("--steps", type=int, default=32)
+    args = parser.parse_args()
+    artifact = load_artifact(args.artifact)
+    layers = int(artifact.manifest["model"]["config"]["num_hidden_layers"])
+    executable = artifact.executable
+    print(f"{args.artifact} ({layers} layers); load {os.getloadavg()[0]:.2f}")
+    decode_step_seconds(executable, BASE_CONTEXT, 4)  # warm up
+    base = decode_step_seconds(executable, BASE_CONTEXT, args.steps)
+    print(f"{'context':>8} {'step ms':>8} {'attention us/layer':>19} {'ns/key/layer':>13}")
+    print(f"{BASE_CONTEXT:>8} {base * 1e3:>8.2f} {'(base)':>19} {'':>13}")
+    for context in args.contexts:
+        step = decode_step_seconds(executable, context, args.steps)
+        per_layer = (step - base) / layers
+        print(f"{context:>8} {step * 1e3:>8.2f} {per_layer * 1e6:>19.1f} {per_layer / context * 1e9:>13.1f}")
+    print(f"load {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
