@@ -186,7 +186,6 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-
     from kiln.backends.targets import TargetError, parse_targets
     from kiln.build import PipelineOptions, build_program
     from kiln.compiler import quantization_arg
@@ -387,7 +386,7 @@ def _tuning_logs(value: str | None) -> Path | None:
     return Path(value) if value is not None else default_tuning_logs()
 
 
-def _add_model_options(parser: argparse.ArgumentParser, *, output: bool = False) -> None:
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     """--backend, --target, --quantization, --dtype: how a model compiles (the same for compile, serve,
     generate and kiln.LLM). For serve and generate they apply when MODEL is not an artifact folder."""
     from kiln.backends.registry import BACKEND_NAMES

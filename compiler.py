@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 PROBE_PROMPT = "A kiln fires clay at a high temperature, turning it into"
 PROBE_TOLERANCE = 1e-4  # max |logits now - logits at compile| / max |logits at compile|
 AUTO = "auto"
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 CACHE_ENTRIES = 4  # compiled models kept in the cache (each can be hundreds of MB)
 
 

@@ -11,8 +11,13 @@ from typing import TextIO
 from kiln.build import Progress
 
 
+def _done(stages: list[str], stage: str) -> int:
+    """How many of `stages` are done once `stage` ends (all of them for a stage not listed)."""
+    return stages.index(stage) + 1 if stage in stages else len(stages)
+
+
 def plain_line(stages: list[str], stage: str, seconds: float) -> str:
-    done = stages.index(stage) + 1 if stage in stages else len(stages)
+    done = _done(stages, stage)
     bar = "#" * done + "." * (len(stages) - done)
     return f"[{bar}] {stage:<24} {seconds:6.2f} s"
 
@@ -22,11 +27,10 @@ def stage_progress(title: str, stages: list[str], stream: TextIO | None = None) 
     """A progress callback for `stages` (called as each one ends), shown under `title`."""
     stream = stream or sys.stderr
     if not stream.isatty():  # the title comes with the first stage's line: a failure before it is one line
-        titled = []
 
         def line(stage: str, seconds: float) -> None:
-            if not titled:
-                titled.append(print(title, file=stream))
+            if stage == stages[0]:
+                print(title, file=stream)
             print(plain_line(stages, stage, seconds), file=stream, flush=True)
 
         yield line
@@ -49,7 +53,7 @@ def stage_progress(title: str, stages: list[str], stream: TextIO | None = None) 
 
         def advance(stage: str, seconds: float) -> None:
             display.console.print(f"  {stage:<24} {seconds:6.2f} s")
-            done = stages.index(stage) + 1 if stage in stages else len(stages)
+            done = _done(stages, stage)
             following = stages[done] if done < len(stages) else "done"
             display.update(task, completed=done, description=following)
 
