@@ -214,7 +214,7 @@ def _tune(args: argparse.Namespace) -> int:
     logs = _tuning_logs(args.tuning_logs)
     if logs is None:
         raise UsageError("kiln tune writes tuning logs: --tuning-logs names the folder (or leave it unset)")
-    workloads = decode_workloads(program.graph)
+    workloads = decode_workloads(program.graph, llvm)
     print(
         f"tuning {len(workloads)} kernels of {source.name}'s decode function for {target_folder(llvm)}, "
         f"{args.trials} trials each, into {logs / target_folder(llvm)}",

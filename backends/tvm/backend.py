@@ -71,7 +71,14 @@ class TVMBackend:
 
         llvm = cpu.llvm_target(target, settings.num_threads)
         tuned = TuningLogs(settings.tuning_logs, llvm)
-        lowered = lower_graph(program.graph, "cpu", cpu.schedule_cpu, decode=True, decode_kernels=tuned)
+        lowered = lower_graph(
+            program.graph,
+            "cpu",
+            cpu.schedule_cpu,
+            decode=True,
+            decode_kernels=tuned,
+            int_dot_isa=cpu.int_dot_isa(llvm),
+        )
         origins = dict(lowered.kernel_origins)
         executable = cpu.build_cpu(lowered.module, llvm)
         executable.export_library(str(folder / LIBRARY))

@@ -11,6 +11,7 @@ from tvm import relax, tirx
 from kiln.backends.targets import Target
 from kiln.backends.tvm.kernels import linear as linear_kernels
 from kiln.backends.tvm.kernels import rowwise
+from kiln.backends.tvm.kernels.int_dot import Isa, choose_isa
 
 TRIPLE = "x86_64-unknown-linux-gnu"
 
@@ -66,9 +67,18 @@ def build_cpu(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecut
 
 def required_features(target: tvm.target.Target) -> list[str]:
     """The checked x86 features the target's code may use (see cpu_features.py)."""
-    from tvm.target import codegen
-
     from kiln.backends.tvm.cpu_features import CHECKED_FEATURES
 
-    enabled = {str(name) for name in codegen.llvm_get_cpu_features(target)}
-    return [f for f in CHECKED_FEATURES if f.replace("_", ".") in enabled or f in enabled]
+    enabled = llvm_features(target)
+    return [name for name, llvm_name in CHECKED_FEATURES.items() if llvm_name in enabled]
+
+
+def llvm_features(target: tvm.target.Target) -> set[str]:
+    from tvm.target import codegen
+
+    return {str(name) for name in codegen.llvm_get_cpu_features(target)}
+
+
+def int_dot_isa(target: tvm.target.Target) -> Isa | None:
+    """The integer dot-product variant the quantized linears use on this target (None: float)."""
+    return choose_isa(llvm_features(target))

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# LLVM feature names that /proc/cpuinfo spells the same way; the ones whose absence means SIGILL.
-CHECKED_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")
+# The features whose absence means SIGILL: /proc/cpuinfo's name -> LLVM's name.
+CHECKED_FEATURES = {
+    "sse4_2": "sse4.2",
+    "avx": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512_vnni": "avx512vnni",
+    "avx_vnni": "avxvnni",
+}
 
 
 def host_flags() -> set[str]:

@@ -28,9 +28,9 @@ from tvm import relax, tirx
 from kiln.backends.base import BackendError
 from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
+from kiln.backends.tvm.kernels import int_dot, quant_gemm, rowwise
 from kiln.backends.tvm.kernels import linear as linear_kernels
-from kiln.backends.tvm.kernels import quant_gemm, rowwise
-from kiln.backends.tvm.layouts import int4_tiled_transform, tiled_transform
+from kiln.backends.tvm.layouts import dot_tiled_transform, int4_tiled_transform, tiled_transform
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
 from kiln.ir.ops.attention import rope_inv_freq
 
@@ -84,6 +84,7 @@ class Lowerer:
     kernels: dict[tuple[Any, ...], relax.GlobalVar] = field(default_factory=dict)
     kernel_origins: dict[str, str] = field(default_factory=dict)
     decode_kernels: DecodeKernels | None = None  # set while lowering `decode`
+    int_dot: int_dot.Isa | None = None  # the CPU's integer dot-product variant (None: float kernels)
 
     def dim(self, dim: int | str) -> Any:
         if isinstance(dim, int):
@@ -209,19 +210,28 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
     leading = x_value.type.shape[0]
     which = relax.prim_value(tirx.IntImm("int64", 1 if leading == "L" else 0))
+    dot_tile = int_dot.int_dot_tile(n, spec, lw.int_dot) if lw.int_dot is not None else None
     group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
-    tile = group_tile or linear_kernels.column_tile(n)
-    packed = (
-        lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
-        if bits == 4
-        else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
-    )
+    tile = dot_tile or group_tile or linear_kernels.column_tile(n)
+    if dot_tile is not None:
+        packed = lw.param(
+            qweight,
+            dot_tiled_transform(int(bits), str(packing), tile),
+            (n // tile, k // (8 if bits == 4 else 4), tile * 4),
+        )
+    elif bits == 4:
+        packed = lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
+    else:
+        packed = lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
     scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
     zero_param = (
         lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)) if zeros is not None else None
     )
     bias_arg = lw.value(bias) if bias is not None else None
-    if group_tile is not None:  # the hand-written kernel: fixed signature, unused inputs never read
+    key = (k, n, bits, group, scheme, scales.type.dtype, bias is not None)
+    if (
+        dot_tile is not None or group_tile is not None
+    ):  # hand-written: fixed signature, unused inputs never read
         unused_bias = relax.const(np.zeros(1, dtype=np.float32))
         args = [
             x3,
@@ -232,12 +242,18 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             lw.values[ROW_COUNTS],
             which,
         ]
-        kernel = lw.kernel(
-            "qgemm",
-            (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
-            lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None),
-            {},
-        )
+        isa = lw.int_dot
+        if dot_tile is not None and isa is not None:
+            kernel = lw.kernel(
+                f"qdot_{isa.name}",
+                key,
+                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa),
+                {},
+            )
+        else:
+            kernel = lw.kernel(
+                "qgemm", key, lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None), {}
+            )
     else:
         args = [
             x3,
@@ -248,7 +264,7 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         ]
         kernel = lw.kernel(
             "qlinear",
-            (k, n, bits, group, scheme, scales.type.dtype, bias is not None),
+            key,
             lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
             {"k": k, "n": n, "quant": spec},
         )
@@ -475,6 +491,7 @@ def lower_graph(
     schedule: Schedule,
     decode: bool = False,
     decode_kernels: DecodeKernels | None = None,
+    int_dot_isa: int_dot.Isa | None = None,
 ) -> LoweredStep:
     """`step` (symbolic row blocks); with `decode`, also `decode` (one block of token and logits rows),
     which uses `decode_kernels`' kernel where it gives one and the generic kernel otherwise."""
@@ -483,7 +500,7 @@ def lower_graph(
         raise BackendError(
             problems[0], hint="`--backend reference` runs every op; or add a TVM lowering for this one"
         )
-    lw = Lowerer(graph, target_kind, schedule)
+    lw = Lowerer(graph, target_kind, schedule, int_dot=int_dot_isa)
     _lower_function(lw, "step", None)
     functions = ["step"]
     if decode:
@@ -496,6 +513,7 @@ def lower_graph(
             kernels=lw.kernels,
             kernel_origins=lw.kernel_origins,
             decode_kernels=decode_kernels,
+            int_dot=int_dot_isa,
         )
         _lower_function(decode_lw, "decode", DECODE_BLOCKS)
         if decode_lw.param_specs != lw.param_specs:

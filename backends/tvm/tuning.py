@@ -103,8 +103,9 @@ class Workload:
         return cls(kind, key, info, generic, func, workload_hash(func))
 
 
-def decode_workloads(graph: Any) -> list[Workload]:
-    """The distinct tunable kernels of the graph's CPU `decode` function, in lowering order."""
+def decode_workloads(graph: Any, target: tvm.target.Target | None = None) -> list[Workload]:
+    """The distinct tunable kernels of the graph's CPU `decode` function for `target`, in lowering
+    order (the quantized linears are hand-written where the target has integer dot products)."""
     from kiln.backends.tvm import cpu
     from kiln.backends.tvm.lowering import lower_graph
 
@@ -118,7 +119,8 @@ def decode_workloads(graph: Any) -> list[Workload]:
             found.setdefault(workload.digest, workload)
         return None
 
-    lower_graph(graph, "cpu", cpu.schedule_cpu, decode=True, decode_kernels=record)
+    isa = cpu.int_dot_isa(target) if target is not None else None
+    lower_graph(graph, "cpu", cpu.schedule_cpu, decode=True, decode_kernels=record, int_dot_isa=isa)
     return list(found.values())
 
 

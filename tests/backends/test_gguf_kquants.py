@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow  # a TVM and an ONNX Runtime compile per type
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
 ROWS = (1, 4, 16, 64)
-# Float32 kernels regroup the sums (scale once per group, dequantize-once strips): only rounding differs.
-TOLERANCE = 1e-4  # max |ours - reference| / max |reference|, on the logits
+# max |ours - reference| / max |reference|, on the logits. ONNX Runtime's float32 kernels regroup the
+# sums: only rounding differs. TVM's integer-dot kernels quantize the activations to 16 bits a block
+# (kernels/int_dot.py): a relative error of about 1/32385 of each block's largest value, and more
+# where the logits cancel (measured up to 1.4e-3, Q6_K at 64 rows).
+TOLERANCE = {"onnxruntime": 1e-4, "tvm": 3e-3}
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
     vocab_size=512,
@@ -87,4 +90,4 @@ def test_tvm_and_onnxruntime_match_the_reference(ggml_type: str, tmp_path: Path,
         assert expected.shape == (num_rows, CONFIG.vocab_size) and torch.isfinite(expected).all()
         for name, executable in executables.items():
             error = float((_logits(executable, num_rows) - expected).abs().max() / expected.abs().max())
-            assert error < TOLERANCE, (ggml_type, name, num_rows, error)
+            assert error < TOLERANCE[name], (ggml_type, name, num_rows, error)

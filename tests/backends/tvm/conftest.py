@@ -13,10 +13,11 @@ from kiln.build import PipelineOptions, optimize
 from kiln.ir import Program
 
 
-def compile_tvm_cpu(program: Program, folder: Path) -> Executable:
+def compile_tvm_cpu(program: Program, folder: Path, target: Target | None = None) -> Executable:
     backend = TVMBackend()
-    backend.compile(program, Target("cpu"), folder, CompileSettings())
-    return backend.load(folder, program.weights, Target("cpu"))
+    target = target or Target("cpu")
+    backend.compile(program, target, folder, CompileSettings())
+    return backend.load(folder, program.weights, target)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,368 @@
+"""Quantized linear on x86 with integer dot products, one kernel for every block type.
+
+The activation rows are quantized once per call to int8 blocks of `block` values (a scale, as
+llama.cpp's Q8_1): xq = round(x / d), d = max|x| / 127. Then, for each strip of `tile` output
+columns (parallel across cores), each weight group g and each row:
+
+    dot[j]  = sum over the group's k of q[k, j] * xq[k]           (exact, int32)
+    y[j]   += scale[g, j] * d * dot[j]                              symmetric
+            + min[g, j] * sum_k x[k]                                min       (GGUF Q4_K, Q4_1, Q5_K ...)
+    y[j]   += scale[g, j] * (d * dot[j] - zero[g, j] * sum_k x[k])  zero_point
+
+The weights q are the IR's integers: 4-bit values 0..15, or int8. The dot product is one
+instruction sequence per target, chosen at compile time from the CPU's features (`Isa`):
+
+    vnni512  vpdpbusd zmm      16 columns x 4 k per instruction (AVX-512 VNNI)
+    vnni256  vpdpbusd ymm       8 x 4 (AVX-VNNI, or AVX-512 VNNI with 256-bit vectors)
+    avx2     vpmaddubsw + vpmaddwd, 8 x 4
+
+All three multiply unsigned bytes (the weights) by signed bytes (the activations). 4-bit values are
+unsigned already. An int8 weight is stored as q + 128 (`q ^ 0x80`): VNNI takes it as it is and
+subtracts 128 * sum(xq) per block; AVX2 takes |q| times xq with q's sign, as vpmaddubsw would
+saturate on 255 * 127 * 2.
+
+Weight layout (`dot_tiled`, layouts.py): per strip, per step of 4 k (8 k for 4-bit), `tile` columns
+of 4 bytes; a 4-bit byte holds k (low nibble) and k + 4 (high nibble). So one vector load feeds
+`lanes` columns x 4 k, and a 4-bit load feeds two dot instructions.
+
+Rounding: the activation quantization adds an error of up to d / 2 per value (a relative error
+about 1/254 of the block's largest value), as in llama.cpp; tests state the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, QuantSpec
+
+Expr = Any  # a TIR expression
+MAX_BLOCK = 32  # activation values per int8 block (one scale)
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    lanes: int  # int32 columns per vector
+    vectors: int  # vectors of columns per strip: 4 rows x vectors accumulators stay in registers
+    unsigned_int8: bool  # True: int8 weights as q + 128 then a -128 * sum(xq) correction (VNNI)
+
+    @property
+    def bytes(self) -> int:
+        return self.lanes * 4
+
+
+ISAS = {
+    "vnni512": Isa("vnni512", 16, 4, True),  # 32 zmm registers
+    "vnni256": Isa("vnni256", 8, 2, True),  # 16 ymm registers
+    "avx2": Isa("avx2", 8, 2, False),
+}
+
+
+def choose_isa(features: set[str]) -> Isa | None:
+    """The variant for an LLVM target's features (`llvm_get_cpu_features` names), None for none."""
+    if {"avx512vnni", "avx512bw", "avx512f"} <= features:
+        return ISAS["vnni512"]
+    if "avxvnni" in features or {"avx512vnni", "avx512vl"} <= features:
+        return ISAS["vnni256"]
+    if "avx2" in features:
+        return ISAS["avx2"]
+    return None
+
+
+def int_dot_tile(n: int, spec: QuantSpec, isa: Isa) -> int | None:
+    """Columns per strip for N outputs, or None when the kernel does not apply."""
+    if (spec.bits, spec.scheme) not in ((4, "min"), (4, "zero_point"), (8, "symmetric"), (8, "min")):
+        return None
+    block = activation_block(spec.group_size)
+    if block is None or block % 8:
+        return None
+    for vectors in range(isa.vectors, 0, -1):
+        if n % (isa.lanes * vectors) == 0:
+            return isa.lanes * vectors
+    return None
+
+
+def activation_block(group: int) -> int | None:
+    """Values per activation scale: the weight group, or 32 when it divides a larger group."""
+    if group <= MAX_BLOCK:
+        return group
+    return MAX_BLOCK if group % MAX_BLOCK == 0 else None
+
+
+DotPair = Callable[[Expr, Expr, Expr, Expr, Expr], Expr]
+
+
+def _dot_pair(isa: Isa, four_bit: bool) -> DotPair:
+    """acc (int32 x lanes) + the 4-byte dots of two weight vectors (u8 x 4 lanes) with two 4-byte
+    activation groups (each one int32, broadcast to every lane)."""
+    lanes, width = isa.lanes, isa.bytes
+
+    def bytes_of(x4: Expr) -> Expr:
+        return T.reinterpret(T.broadcast(x4, lanes), dtype=f"int8x{width}")
+
+    if isa.name in ("vnni512", "vnni256"):
+        name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
+
+        def vnni(acc: Expr, weights: Expr, x4: Expr) -> Expr:
+            return T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(name), acc, weights, bytes_of(x4), dtype=f"int32x{lanes}"
+            )
+
+        return lambda acc, w0, x0, w1, x1: vnni(vnni(acc, w0, x0), w1, x1)
+
+    def products(unsigned: Expr, signed: Expr) -> Expr:  # adjacent pairs: int16, saturating
+        return T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.pmadd.ub.sw"), unsigned, signed, dtype="int16x16"
+        )
+
+    def widen(words: Expr) -> Expr:  # adjacent int16 pairs summed into int32
+        return T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.pmadd.wd"),
+            words,
+            T.broadcast(T.int16(1), 16),
+            dtype="int32x8",
+        )
+
+    if four_bit:  # 2 * (15 * 127 * 2) fits int16: add the two products before widening
+        return lambda acc, w0, x0, w1, x1: (
+            acc + widen(products(w0, bytes_of(x0)) + products(w1, bytes_of(x1)))
+        )
+
+    def signed(weights: Expr, x4: Expr) -> Expr:  # |q| times xq with q's sign: no saturation
+        q = T.reinterpret(weights ^ T.broadcast(T.uint8(128), width), dtype=f"int8x{width}")
+        magnitude = T.reinterpret(T.max(q, T.broadcast(T.int8(0), width) - q), dtype=f"uint8x{width}")
+        signs = T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.psign.b"), bytes_of(x4), q, dtype=f"int8x{width}"
+        )
+        return widen(products(magnitude, signs))
+
+    return lambda acc, w0, x0, w1, x1: acc + signed(w0, x0) + signed(w1, x1)
+
+
+def int_dot_gemm_kernel(
+    k: int, n: int, spec: QuantSpec, has_bias: bool, isa: Isa, activation_bits: int = 16
+) -> tirx.PrimFunc:
+    tile = int_dot_tile(n, spec, isa)
+    assert tile is not None, (n, spec, isa)
+    lanes, width = isa.lanes, isa.bytes
+    vectors = tile // lanes
+    group = spec.group_size
+    groups = k // group
+    block = activation_block(group)
+    assert block is not None
+    blocks = k // block
+    per_group = group // block
+    four_bit = spec.bits == 4
+    steps = k // (8 if four_bit else 4)  # rows of weight bytes: 8 k values a 4-bit byte row, 4 an 8-bit
+    block_pairs = block // 8
+    strips = n // tile
+    stored = DTYPE_NAMES[spec.scale_dtype]
+    scheme = {"symmetric": 0, "min": 1, "zero_point": 2}[spec.scheme]
+    correct = isa.unsigned_int8 and not four_bit  # dot of (q + 128): subtract 128 * sum(xq)
+    halves = activation_bits // 8  # int16 activations v = 255 * high + low, two int8 dots
+    levels = {8: 127, 16: 255 * 127}[activation_bits]  # |high|, |low| <= 127 (vpsignb negates them)
+    row_block = 4 // halves  # rows a strip pass keeps in registers: row_block x vectors x halves
+    dot_pair = _dot_pair(isa, four_bit)
+    nibble = T.broadcast(T.uint8(15), width)
+    four = T.broadcast(T.uint8(4), width)
+
+    def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
+        return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
+
+    @T.macro
+    def rows_of_strip(
+        jo,
+        row0,
+        count,
+        w,
+        xq,
+        x_scales,
+        xq_sums,
+        x_sums,
+        scales,
+        zeros,
+        bias,
+        y_rows,
+        acc,
+        part,
+        dots,
+        low,
+        high,
+    ):
+        # `count` (1 or row_block) rows from row0, strip jo
+        for r in T.unroll(count):
+            for lane in T.vectorized(tile):
+                acc[r, lane] = T.float32(0)
+        for g in T.serial(groups):
+            if per_group > 1:
+                for r in T.unroll(count):
+                    for lane in T.vectorized(tile):
+                        part[r, lane] = T.float32(0)
+            for bi in T.serial(per_group):
+                for h in T.unroll(halves):
+                    for r in T.unroll(count):
+                        for lane in T.vectorized(tile):
+                            dots[h, r, lane] = 0
+                for p in T.serial(block_pairs):  # 8 k values: one 4-bit row of bytes, two 8-bit rows
+                    pair = (g * per_group + bi) * block_pairs + p
+                    for v in T.unroll(vectors):
+                        if four_bit:
+                            low[v, T.ramp(0, 1, width)] = (
+                                w.vload([jo, pair, v * width], f"uint8x{width}") & nibble
+                            )
+                            high[v, T.ramp(0, 1, width)] = (
+                                w.vload([jo, pair, v * width], f"uint8x{width}") >> four
+                            ) & nibble
+                        else:
+                            low[v, T.ramp(0, 1, width)] = T.reinterpret(
+                                w.vload([jo, pair * 2, v * width], f"int8x{width}"), dtype=f"uint8x{width}"
+                            )
+                            high[v, T.ramp(0, 1, width)] = T.reinterpret(
+                                w.vload([jo, pair * 2 + 1, v * width], f"int8x{width}"),
+                                dtype=f"uint8x{width}",
+                            )
+                    for h in T.unroll(halves):
+                        for r in T.unroll(count):
+                            for v in T.unroll(vectors):
+                                dots[h, r, T.ramp(v * lanes, 1, lanes)] = dot_pair(
+                                    dots.vload([h, r, v * lanes], f"int32x{lanes}"),
+                                    low.vload([v, 0], f"uint8x{width}"),
+                                    x4(xq, h, row0 + r, pair * 2),
+                                    high.vload([v, 0], f"uint8x{width}"),
+                                    x4(xq, h, row0 + r, pair * 2 + 1),
+                                )
+                blk = g * per_group + bi
+                for r in T.unroll(count):
+                    for lane in T.vectorized(tile):
+                        if halves == 2:
+                            dots[0, r, lane] = dots[0, r, lane] * 255 + dots[1, r, lane]
+                        if correct:
+                            dots[0, r, lane] = dots[0, r, lane] - 128 * xq_sums[row0 + r, blk]
+                        if per_group == 1:
+                            part[r, lane] = x_scales[row0 + r, blk] * T.Cast("float32", dots[0, r, lane])
+                        else:
+                            part[r, lane] = part[r, lane] + x_scales[row0 + r, blk] * T.Cast(
+                                "float32", dots[0, r, lane]
+                            )
+            for r in T.unroll(count):
+                for lane in T.vectorized(tile):
+                    if scheme == 0:
+                        acc[r, lane] = acc[r, lane] + T.Cast("float32", scales[jo, g, lane]) * part[r, lane]
+                    elif scheme == 1:
+                        acc[r, lane] = (
+                            acc[r, lane]
+                            + T.Cast("float32", scales[jo, g, lane]) * part[r, lane]
+                            + T.Cast("float32", zeros[jo, g, lane]) * x_sums[row0 + r, g]
+                        )
+                    else:
+                        acc[r, lane] = acc[r, lane] + T.Cast("float32", scales[jo, g, lane]) * (
+                            part[r, lane] - T.Cast("float32", zeros[jo, g, lane]) * x_sums[row0 + r, g]
+                        )
+        for r in T.unroll(count):
+            for lane in T.vectorized(tile):
+                if has_bias:
+                    y_rows[row0 + r, jo * tile + lane] = acc[r, lane] + bias[jo * tile + lane]
+                else:
+                    y_rows[row0 + r, jo * tile + lane] = acc[r, lane]
+
+    @T.prim_func(s_tir=True)
+    def int_dot_gemm(
+        x_handle: T.handle,
+        w_handle: T.handle,
+        s_handle: T.handle,
+        z_handle: T.handle,
+        bias_handle: T.handle,
+        counts_handle: T.handle,
+        which: T.int64,
+        y_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        q = T.int64()
+        bias_len = T.int64()  # n with a bias; 1 (never read) without
+        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
+        w = T.match_buffer(w_handle, (strips, steps, tile * 4), "uint8" if four_bit else "int8")
+        scales = T.match_buffer(s_handle, (strips, groups, tile), stored)
+        zeros = T.match_buffer(z_handle, (strips, groups, tile), stored)
+        bias = T.match_buffer(bias_handle, (bias_len,), "float32")
+        counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
+        y = T.match_buffer(y_handle, (q, 4, n), "float32")
+        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
+        y_rows = T.decl_buffer((q * 4, n), "float32", data=y.data)
+        xq = T.sblock_alloc_buffer((halves, q * 4, k), "int8")
+        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
+        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
+        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
+        rows = T.min(counts[which], q * 4)
+        for row in T.parallel(rows):
+            with T.sblock("quantize"):
+                T.reads()
+                T.writes()
+                amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                total = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                value = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                for b in T.serial(blocks):
+                    amax[0] = T.float32(0)
+                    for i in T.serial(block):
+                        amax[0] = T.max(amax[0], T.fabs(x[row, b * block + i]))
+                    x_scales[row, b] = amax[0] / T.float32(levels)
+                    total[0] = 0
+                    for i in T.serial(block):
+                        value[0] = T.Cast(
+                            "int32",
+                            T.round(
+                                x[row, b * block + i]
+                                * T.if_then_else(
+                                    amax[0] > T.float32(0), T.float32(levels) / amax[0], T.float32(0)
+                                )
+                            ),
+                        )
+                        total[0] = total[0] + value[0]
+                        if halves == 2:
+                            xq[0, row, b * block + i] = T.Cast("int8", T.floordiv(value[0] + 127, 255))
+                            xq[1, row, b * block + i] = T.Cast(
+                                "int8", value[0] - 255 * T.floordiv(value[0] + 127, 255)
+                            )
+                        else:
+                            xq[0, row, b * block + i] = T.Cast("int8", value[0])
+                    xq_sums[row, b] = total[0]
+                if scheme != 0:
+                    for g in T.serial(groups):
+                        x_sums[row, g] = T.float32(0)
+                        for i in T.serial(group):
+                            x_sums[row, g] = x_sums[row, g] + x[row, g * group + i]
+        for jo in T.parallel(strips):
+            with T.sblock("strip"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((row_block, tile), "float32", scope="local")
+                part = T.sblock_alloc_buffer((row_block, tile), "float32", scope="local")
+                dots = T.sblock_alloc_buffer((halves, row_block, tile), "int32", scope="local")
+                low = T.sblock_alloc_buffer((vectors, width), "uint8", scope="local")
+                high = T.sblock_alloc_buffer((vectors, width), "uint8", scope="local")
+                buffers = (
+                    w,
+                    xq,
+                    x_scales,
+                    xq_sums,
+                    x_sums,
+                    scales,
+                    zeros,
+                    bias,
+                    y_rows,
+                    acc,
+                    part,
+                    dots,
+                    low,
+                    high,
+                )
+                for a in T.serial(rows // row_block):
+                    rows_of_strip(jo, a * row_block, row_block, *buffers)
+                for r in T.serial(rows % row_block):
+                    rows_of_strip(jo, rows - rows % row_block + r, 1, *buffers)
+
+    return int_dot_gemm

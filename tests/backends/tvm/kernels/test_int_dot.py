@@ -1,0 +1,138 @@
+"""The integer-dot quantized linear (kernels/int_dot.py), every ISA variant this CPU can run, every
+weight layout, against an exact model of its arithmetic and against float32 on dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from kiln.backends.tvm.cpu import TRIPLE
+from kiln.backends.tvm.cpu_features import host_flags
+from kiln.backends.tvm.kernels.int_dot import ISAS, choose_isa, int_dot_gemm_kernel, int_dot_tile
+from kiln.backends.tvm.kernels.linear import QuantSpec
+from kiln.backends.tvm.layouts import dot_tiled, tiled
+from kiln.ir.ops.quant import pack_int4
+
+K, N = 256, 128
+ROWS = (1, 3, 4, 7, 16, 64)
+SPECS = (
+    QuantSpec(4, 32, "min"),  # GGUF Q4_K, Q4_1
+    QuantSpec(4, 128, "zero_point"),  # int4, activation blocks of 32 inside a group
+    QuantSpec(8, 16, "symmetric"),  # GGUF Q6_K, Q3_K; int8 weights over the whole -128..127
+    QuantSpec(8, 32, "min"),  # GGUF Q5_K, Q5_1
+)
+# The CPU each variant is compiled for, and the /proc/cpuinfo flags it needs to run.
+VARIANTS = {
+    "vnni512": ("znver5", {"avx512_vnni", "avx512bw"}),
+    "vnni256": ("alderlake", {"avx_vnni"}),
+    "avx2": ("znver3", {"avx2"}),
+}
+# The kernel's sums are exact integers; only the float32 epilogue rounds.
+EXACT_TOLERANCE = 1e-5  # against the same arithmetic in float64
+FLOAT_TOLERANCE = {8: 2e-2, 16: 1e-4}  # against x @ dequantized W, by activation bits
+
+
+def _quantize_activations(x: np.ndarray, block: int, bits: int) -> np.ndarray:
+    """What the kernel multiplies by: x rounded to `levels` per block of its largest |value|."""
+    levels = 127 if bits == 8 else 255 * 127
+    blocks = x.reshape(x.shape[0], -1, block)
+    scale = np.abs(blocks).max(-1, keepdims=True) / levels
+    safe = np.where(scale > 0, scale, 1)
+    return (np.round(blocks / safe) * scale).reshape(x.shape)
+
+
+def _weights(spec: QuantSpec, rng: np.random.Generator):
+    if spec.bits == 4:
+        q = rng.integers(0, 16, (N, K))
+    else:
+        q = rng.integers(-128, 128, (N, K)) if spec.scheme == "symmetric" else rng.integers(0, 32, (N, K))
+    scales = rng.uniform(1e-3, 2e-2, (N, K // spec.group_size)).astype(np.float32)
+    zeros = rng.uniform(-0.1, 0.1, (N, K // spec.group_size)).astype(np.float32)
+    s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
+    if spec.scheme == "symmetric":
+        dense = s * q
+    elif spec.scheme == "min":
+        dense = s * q + z
+    else:
+        dense = s * (q - z)
+    return q, scales, zeros, dense.astype(np.float64)
+
+
+def _run(spec: QuantSpec, variant: str, activation_bits: int) -> None:
+    mcpu, needs = VARIANTS[variant]
+    if not needs <= host_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
+    isa = ISAS[variant]
+    tile = int_dot_tile(N, spec, isa)
+    assert tile is not None
+    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": mcpu})
+    kernel = int_dot_gemm_kernel(K, N, spec, False, isa, activation_bits)
+    library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
+    rng = np.random.default_rng(spec.group_size + spec.bits)
+    q, scales, zeros, dense = _weights(spec, rng)
+    stored = (
+        pack_int4(torch.from_numpy(q).to(torch.uint8), "pairs")
+        if spec.bits == 4
+        else torch.from_numpy(q).to(torch.int8)
+    )
+    weights = dot_tiled(stored, spec.bits, "pairs", tile).numpy()
+    device = tvm.cpu()
+    constant = [
+        tvm.runtime.tensor(a, device)
+        for a in (
+            weights,
+            tiled(torch.from_numpy(scales), tile).numpy(),
+            tiled(torch.from_numpy(zeros), tile).numpy(),
+        )
+    ]
+    block = min(spec.group_size, 32)
+    for rows in ROWS:
+        blocks = -(-rows // 4)
+        x = rng.standard_normal((blocks * 4, K)).astype(np.float32)
+        x[:, :8] *= 20  # an outlier channel, as real activations have
+        y = tvm.runtime.tensor(np.zeros((blocks, 4, N), np.float32), device)
+        counts = tvm.runtime.tensor(np.array([rows, rows], np.int64), device)
+        library["main"](
+            tvm.runtime.tensor(x.reshape(blocks, 4, K), device),
+            *constant,
+            tvm.runtime.tensor(np.zeros(1, np.float32), device),
+            counts,
+            0,
+            y,
+        )
+        ours = y.numpy().reshape(-1, N)[:rows]
+        exact_x = x[:rows].astype(np.float64)
+        quantized_x = _quantize_activations(exact_x, block, activation_bits)
+        s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
+        if spec.scheme == "symmetric":
+            model = quantized_x @ dense.T
+        elif spec.scheme == "min":
+            model = quantized_x @ (s * q).T + exact_x @ z.T  # the min term takes the exact row sums
+        else:
+            model = quantized_x @ (s * q).T - exact_x @ (s * z).T
+        exact_error = np.abs(ours - model).max() / np.abs(model).max()
+        float_error = np.abs(ours - exact_x @ dense.T).max() / np.abs(exact_x @ dense.T).max()
+        assert exact_error < EXACT_TOLERANCE, (variant, spec, rows, exact_error)
+        assert float_error < FLOAT_TOLERANCE[activation_bits], (variant, spec, rows, float_error)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}bit-{s.scheme}-g{s.group_size}")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_and_layout(spec: QuantSpec, variant: str) -> None:
+    _run(spec, variant, 16)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_int8_activations(variant: str) -> None:
+    """llama.cpp's Q8 rounding (one int8 dot a weight byte instead of two): about 1/254 of a block."""
+    for spec in SPECS:
+        _run(spec, variant, 8)
+
+
+def test_variant_choice_follows_the_target_features() -> None:
+    assert choose_isa({"avx2", "avx512f", "avx512bw", "avx512vnni"}) is ISAS["vnni512"]
+    assert choose_isa({"avx2", "avxvnni"}) is ISAS["vnni256"]
+    assert choose_isa({"avx2", "fma"}) is ISAS["avx2"]
+    assert choose_isa({"sse4.2"}) is None  # the float32 kernels (quant_gemm.py)
