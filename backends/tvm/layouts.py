@@ -9,11 +9,15 @@ transform names are recorded with the compiled code (step.json).
     tiled:<tile>                  [N, X] -> [N / tile, X, tile]
     int4_tiled:<packing>:<tile>   4-bit [N, K / 2] packed as <packing> -> pairs along K (byte k2
                                   holds k = 2*k2 low, 2*k2 + 1 high), then tiled
-    dot_tiled:<bits>:<packing>:<tile>
-                                  the integer-dot kernels' layout (kernels/int_dot.py): per strip,
-                                  steps of 4 k (8 for 4-bit), each `tile` columns x 4 bytes:
-                                  [N / tile, K / step, tile * 4]. A 4-bit byte holds k (low nibble)
-                                  and k + 4 (high); an int8 q is stored as q + 128 (q ^ 0x80)
+    dot_tiled:<bits>:<packing>:<tile>:<plane>:<offset>
+                                  the integer-dot kernels' layout (kernels/int_dot.py) of the
+                                  unsigned values u = q + offset: per strip, rows of `tile` columns x
+                                  4 bytes, [N / tile, K / step, tile * 4]. plane 8: a byte a value,
+                                  4 k a row. plane 4, 5, 6: u's low nibbles, 8 k a row: a byte holds
+                                  k (low nibble) and k + 4 (high)
+    dot_high:...                  plane 5 and 6: the bits above the nibble, same row shape; a row
+                                  covers 4 nibble rows (plane 5: bit 2p + h is row p's nibble h's
+                                  fifth bit) or 2 (plane 6: bits 2(2p + h), +1)
 """
 
 from __future__ import annotations
@@ -33,16 +37,39 @@ def int4_pairs(qweight: torch.Tensor, packing: str) -> torch.Tensor:
     return values[:, 0::2] | (values[:, 1::2] << 4)
 
 
-def dot_tiled(qweight: torch.Tensor, bits: int, packing: str, tile: int) -> torch.Tensor:
-    if bits == 4:
-        values = unpack_int4(qweight, packing)  # [N, K] in 0..15
-        rows, k = values.shape
-        nibbles = values.reshape(rows // tile, tile, k // 8, 2, 4)
-        steps = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
-    else:
-        rows, k = qweight.shape
-        steps = (qweight.view(torch.uint8) ^ 0x80).view(torch.int8).reshape(rows // tile, tile, k // 4, 4)
-    return steps.permute(0, 2, 1, 3).reshape(rows // tile, -1, tile * 4).contiguous()
+def _values(qweight: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
+    return unpack_int4(qweight, packing) if bits == 4 else qweight
+
+
+def _strips(columns: torch.Tensor, tile: int) -> torch.Tensor:
+    """[N, K / step, 4] byte groups -> [N / tile, K / step, tile * 4]: a strip's row of bytes."""
+    rows, steps, _ = columns.shape
+    return columns.reshape(rows // tile, tile, steps, 4).permute(0, 2, 1, 3).reshape(rows // tile, steps, -1)
+
+
+def dot_tiled(
+    qweight: torch.Tensor, bits: int, packing: str, tile: int, plane: int, offset: int
+) -> torch.Tensor:
+    values = _values(qweight, bits, packing).to(torch.int16)
+    rows, k = values.shape
+    if plane == 8:
+        stored = (values + offset).to(torch.uint8).view(torch.int8)
+        return _strips(stored.reshape(rows, k // 4, 4), tile).contiguous()
+    low = ((values + offset) & 15).to(torch.uint8).reshape(rows, k // 8, 2, 4)
+    return _strips(low[:, :, 0] | (low[:, :, 1] << 4), tile).contiguous()
+
+
+def dot_high(
+    qweight: torch.Tensor, bits: int, packing: str, tile: int, plane: int, offset: int
+) -> torch.Tensor:
+    values = _values(qweight, bits, packing).to(torch.int16)
+    rows, k = values.shape
+    extra = plane - 4  # bits above the nibble, packed `8 // extra` pairs' worth a byte
+    pairs = 8 // (2 * extra)
+    high = ((values + offset) >> 4).to(torch.int32).reshape(rows, k // (8 * pairs), pairs, 2, 4)
+    shifts = (extra * torch.arange(2 * pairs, dtype=torch.int32)).reshape(1, 1, pairs, 2, 1)
+    packed = (high << shifts).sum(dim=(2, 3)).to(torch.uint8)
+    return _strips(packed, tile).contiguous()
 
 
 def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -53,8 +80,10 @@ def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
         return tiled(tensor, int(args[0]))
     if kind == "int4_tiled":
         return tiled(int4_pairs(tensor, args[0]), int(args[1]))
-    if kind == "dot_tiled":
-        return dot_tiled(tensor, int(args[0]), args[1], int(args[2]))
+    if kind in ("dot_tiled", "dot_high"):
+        bits, packing, tile, plane, offset = int(args[0]), args[1], int(args[2]), int(args[3]), int(args[4])
+        make = dot_tiled if kind == "dot_tiled" else dot_high
+        return make(tensor, bits, packing, tile, plane, offset)
     raise ValueError(f"unknown weight layout {transform!r}")
 
 
@@ -66,5 +95,5 @@ def int4_tiled_transform(packing: str, tile: int) -> str:
     return f"int4_tiled:{packing}:{tile}"
 
 
-def dot_tiled_transform(bits: int, packing: str, tile: int) -> str:
-    return f"dot_tiled:{bits}:{packing}:{tile}"
+def dot_transform(kind: str, bits: int, packing: str, tile: int, plane: int, offset: int) -> str:
+    return f"{kind}:{bits}:{packing}:{tile}:{plane}:{offset}"

@@ -30,7 +30,7 @@ from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import int_dot, quant_gemm, rowwise
 from kiln.backends.tvm.kernels import linear as linear_kernels
-from kiln.backends.tvm.layouts import dot_tiled_transform, int4_tiled_transform, tiled_transform
+from kiln.backends.tvm.layouts import dot_transform, int4_tiled_transform, tiled_transform
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
 from kiln.ir.ops.attention import rope_inv_freq
 
@@ -96,12 +96,18 @@ class Lowerer:
     def sinfo(self, tensor_type: TensorType) -> relax.TensorType:
         return relax.TensorType([self.dim(d) for d in tensor_type.shape], _DTYPES[tensor_type.dtype])
 
-    def param(self, value: Value, transform: str = "none", shape: tuple[int, ...] | None = None) -> relax.Var:
+    def param(
+        self,
+        value: Value,
+        transform: str = "none",
+        shape: tuple[int, ...] | None = None,
+        dtype_name: str | None = None,
+    ) -> relax.Var:
         key = (value.name, transform)
         if key not in self.params:
             given = tuple(int(d) for d in value.type.shape)  # params have fixed shapes
             layout_shape = shape if shape is not None else given
-            dtype = _DTYPES[value.type.dtype]
+            dtype = _DTYPES[dtype_name or value.type.dtype]
             name = f"w{len(self.param_specs)}"
             self.params[key] = relax.Var(name, relax.TensorType(list(layout_shape), dtype))
             self.param_specs.append(ParamSpec(name, value.name, transform, layout_shape, dtype))
@@ -210,51 +216,51 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
     leading = x_value.type.shape[0]
     which = relax.prim_value(tirx.IntImm("int64", 1 if leading == "L" else 0))
-    dot_tile = int_dot.int_dot_tile(n, spec, lw.int_dot) if lw.int_dot is not None else None
+    isa = lw.int_dot
+    dot_tile = int_dot.int_dot_tile(n, spec, isa) if isa is not None else None
     group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
     tile = dot_tile or group_tile or linear_kernels.column_tile(n)
-    if dot_tile is not None:
-        packed = lw.param(
-            qweight,
-            dot_tiled_transform(int(bits), str(packing), tile),
-            (n // tile, k // (8 if bits == 4 else 4), tile * 4),
-        )
-    elif bits == 4:
-        packed = lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
-    else:
-        packed = lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
     scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
     zero_param = (
         lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)) if zeros is not None else None
     )
     bias_arg = lw.value(bias) if bias is not None else None
     key = (k, n, bits, group, scheme, scales.type.dtype, bias is not None)
-    if (
-        dot_tile is not None or group_tile is not None
-    ):  # hand-written: fixed signature, unused inputs never read
-        unused_bias = relax.const(np.zeros(1, dtype=np.float32))
-        args = [
-            x3,
-            packed,
+    if dot_tile is not None or group_tile is not None:  # hand-written: fixed signature, unused inputs unread
+        tail = [
             scale_param,
             scale_param if zero_param is None else zero_param,
-            unused_bias if bias_arg is None else bias_arg,
+            relax.const(np.zeros(1, dtype=np.float32)) if bias_arg is None else bias_arg,
             lw.values[ROW_COUNTS],
             which,
         ]
-        isa = lw.int_dot
         if dot_tile is not None and isa is not None:
+            plane = int_dot.weight_plane(spec, node.attrs.get("value_bits"))
+            assert plane is not None
+            weight_args = _dot_weights(lw, qweight, int(bits), str(packing), dot_tile, plane)
             kernel = lw.kernel(
                 f"qdot_{isa.name}",
-                key,
-                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa),
+                (*key, plane),
+                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa, plane),
                 {},
             )
         else:
+            packed = (
+                lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
+                if bits == 4
+                else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
+            )
+            weight_args = [packed]
             kernel = lw.kernel(
                 "qgemm", key, lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None), {}
             )
+        args = [x3, *weight_args, *tail]
     else:
+        packed = (
+            lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
+            if bits == 4
+            else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
+        )
         args = [
             x3,
             packed,
@@ -270,6 +276,30 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         )
     y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
+
+
+def _dot_weights(
+    lw: Lowerer, qweight: Value, bits: int, packing: str, tile: int, plane: int_dot.Plane
+) -> list[relax.Expr]:
+    """The integer-dot kernel's weight planes (layouts.py `dot_tiled`, `dot_high`): main, high."""
+    n, k = int(qweight.type.shape[0]), int(qweight.type.shape[1]) * (2 if bits == 4 else 1)
+    rows = k // (8 if plane.nibbles else 4)
+    dtype = "u8" if plane.nibbles else "i8"
+    main = lw.param(
+        qweight,
+        dot_transform("dot_tiled", bits, packing, tile, plane.bits, plane.offset),
+        (n // tile, rows, tile * 4),
+        dtype,
+    )
+    if plane.bits in (4, 8):
+        return [main, main]
+    high = lw.param(
+        qweight,
+        dot_transform("dot_high", bits, packing, tile, plane.bits, plane.offset),
+        (n // tile, rows // plane.pairs_a_high_row, tile * 4),
+        dtype,
+    )
+    return [main, high]
 
 
 def _rms_norm_call(lw: Lowerer, node: Node, with_residual: bool) -> list[relax.Expr]:

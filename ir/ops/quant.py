@@ -12,6 +12,9 @@ A quantized weight [N, K] is stored as `qweight` plus per-group `scales` (and `z
 4-bit values are packed two per byte, in one of two orders: "pairs" (element 2i in the low nibble,
 2i+1 in the high one, as ONNX MatMulNBits) or "gguf" (per group of 32: byte j holds element j low and
 element j+16 high, as GGUF stores Q4_0/Q4_1). 8-bit values are stored as int8 ("none").
+An optional `value_bits` says the stored integers need fewer bits than `bits` (GGUF Q5_0: -16..15 in
+int8, value_bits 5; unsigned 0..2^b - 1 for the min and zero_point schemes, signed -2^(b-1)..2^(b-1) - 1
+for symmetric): backends may pack them tighter. It does not change the arithmetic.
 The arithmetic below is the same, in the same order, as the `gguf` package's dequantization, so GGUF
 blocks imported here dequantize bit-identically.
 """
@@ -61,6 +64,7 @@ def dequantize(
     group_size: int,
     scheme: str,
     packing: str,
+    value_bits: int | None = None,  # a packing hint only
 ) -> torch.Tensor:
     """The float32 weight [N, K] a quantized layout stands for."""
     values = unpack_int4(qweight, packing) if bits == 4 else qweight
@@ -97,6 +101,11 @@ def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str
         f"bits {bits} with packing {packing!r} is not a layout",
     )
     require(scheme in SCHEMES, f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    value_bits = attrs.get("value_bits", bits)
+    require(
+        isinstance(value_bits, int) and isinstance(bits, int) and 1 <= value_bits <= bits,
+        f"value_bits {value_bits!r} must be 1..{bits}",
+    )
     require(x.dtype in FLOAT_DTYPES and x.rank >= 1, f"x must be a float tensor, got {x.text()}")
     k = x.shape[-1]
     require(
@@ -137,6 +146,7 @@ def quantized_linear(
     group_size: int,
     scheme: str,
     packing: str,
+    value_bits: int | None = None,  # a packing hint for backends: the values fit in fewer bits
 ) -> torch.Tensor:
     weight = dequantize(
         qweight, scales, zeros, bits=bits, group_size=group_size, scheme=scheme, packing=packing
@@ -153,6 +163,7 @@ register(
             "group_size": "values per scale along in_features",
             "scheme": "symmetric | zero_point | min",
             "packing": "pairs | gguf (4-bit), none (8-bit)",
+            "value_bits": "optional: the bits the values need (<= bits), a hint for tighter packing",
         },
         _infer_quantized_linear,
         quantized_linear,

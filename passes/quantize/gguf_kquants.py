@@ -21,8 +21,10 @@ Q5_0 and Q5_1 have one group a block, whose f16 `d` (and `m`) are the scale and 
 | Q6_K | 8-bit, 16, symmetric                      | -32..31  |
 | Q3_K | 8-bit, 16, symmetric                      | -4..3    |
 
-Scales and mins are float32 (a product `d * sc` is not always an f16). The 5- to 6-bit types are held
-one value a byte: exact, at more bytes per weight than the GGUF blocks.
+Scales and mins are float32 (a product `d * sc` is not always an f16), or float16 where they are the
+block's own f16 (Q5_0, Q5_1). The 3- to 6-bit types are held one value a byte, with `value_bits`
+saying how many bits they need: backends pack them tighter (the TVM CPU kernels: 4-bit nibbles plus
+a plane of the 5th and 6th bits).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class KQuant:
     q_zero: Fill  # every q = 0
     no_min: Fill  # the min term zeroed (dmin = 0, or m = 0)
     block_floats: tuple[int, ...] = ()  # one group a block: the f16 scale (and min) offsets, read as is
+    value_bits: int = 8  # the bits q needs (see "q range"): a packing hint for backends
 
 
 _SCALES_K_UNIT = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])  # Q4_K/Q5_K 6-bit packing: sc = 1, m = 0
@@ -66,6 +69,7 @@ KQUANTS: dict[str, KQuant] = {
         q_one=((16, 144, b"\x11"),),
         q_zero=((16, 144, b"\x00"),),
         no_min=((2, 4, _ZERO_F16),),
+        value_bits=4,
     ),
     "Q5_K": KQuant(
         176,
@@ -77,6 +81,7 @@ KQUANTS: dict[str, KQuant] = {
         q_one=((16, 48, b"\x00"), (48, 176, b"\x11")),
         q_zero=((16, 176, b"\x00"),),
         no_min=((2, 4, _ZERO_F16),),
+        value_bits=5,
     ),
     "Q6_K": KQuant(  # q = (ql | qh << 4) - 32; 33 = ql 1, qh 2; 32 = ql 0, qh 2
         210,
@@ -88,6 +93,7 @@ KQUANTS: dict[str, KQuant] = {
         q_one=((0, 128, b"\x11"), (128, 192, b"\xaa")),
         q_zero=((0, 128, b"\x00"), (128, 192, b"\xaa")),
         no_min=(),
+        value_bits=6,
     ),
     "Q2_K": KQuant(
         84,
@@ -99,6 +105,7 @@ KQUANTS: dict[str, KQuant] = {
         q_one=((16, 80, b"\x55"),),
         q_zero=((16, 80, b"\x00"),),
         no_min=((82, 84, _ZERO_F16),),
+        value_bits=2,
     ),
     "Q3_K": KQuant(  # q = ql - 4 * (1 - hmask bit); 6-bit scales minus 32: 33 = nibble 1, high bits 2
         110,
@@ -110,6 +117,7 @@ KQUANTS: dict[str, KQuant] = {
         q_one=((0, 32, b"\xff"), (32, 96, b"\x55")),
         q_zero=((0, 32, b"\xff"), (32, 96, b"\x00")),
         no_min=(),
+        value_bits=3,
     ),
     "Q5_0": KQuant(  # q = (ql | qh << 4) - 16; one group a block: d is the scale
         22,
@@ -122,6 +130,7 @@ KQUANTS: dict[str, KQuant] = {
         q_zero=(),
         no_min=(),
         block_floats=(0,),
+        value_bits=5,
     ),
     "Q5_1": KQuant(  # one group a block: d and m are the scale and min
         24,
@@ -134,6 +143,7 @@ KQUANTS: dict[str, KQuant] = {
         q_zero=(),
         no_min=(),
         block_floats=(0, 2),
+        value_bits=5,
     ),
 }
 
@@ -141,8 +151,8 @@ KQUANTS: dict[str, KQuant] = {
 @dataclass
 class ImportedBlocks:
     q: torch.Tensor  # [rows, k]: uint8 packed pairs [rows, k / 2] for 4 bits, int8 for 8 bits
-    scales: torch.Tensor  # float32 [rows, k / group]
-    mins: torch.Tensor | None  # float32 [rows, k / group], the "min" scheme's offsets
+    scales: torch.Tensor  # float32 [rows, k / group] (float16 for Q5_0, Q5_1: their own d and m)
+    mins: torch.Tensor | None  # [rows, k / group] as scales, the "min" scheme's offsets
     kind: KQuant
 
 
@@ -171,8 +181,8 @@ def import_kquant(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) ->
         first = values.reshape(rows, groups, kind.group)[..., 0]
         return torch.from_numpy(np.ascontiguousarray(first, dtype=np.float32))
 
-    def block_float(offset: int) -> torch.Tensor:  # f16 → f32 is exact, as is gguf's `d * 1.0`
-        values = flat[:, offset : offset + 2].copy().view(np.float16).astype(np.float32)
+    def block_float(offset: int) -> torch.Tensor:  # the f16 as it is (gguf's `d * 1.0` is exact)
+        values = flat[:, offset : offset + 2].copy().view(np.float16)
         return torch.from_numpy(values.reshape(rows, groups))
 
     q = _dequantized(_filled(flat, kind.unit), ggml_type).reshape(rows, k)

@@ -25,14 +25,18 @@ class QuantizedWeight:
     group_size: int
     scheme: str
     packing: str
+    value_bits: int | None = None  # fewer than `bits` when the values need fewer (GGUF Q5_0: 5)
 
     def attrs(self) -> dict[str, int | str]:
-        return {
+        attrs: dict[str, int | str] = {
             "bits": self.bits,
             "group_size": self.group_size,
             "scheme": self.scheme,
             "packing": self.packing,
         }
+        if self.value_bits is not None and self.value_bits < self.bits:
+            attrs["value_bits"] = self.value_bits
+        return attrs
 
 
 INT8_CLIP_RATIOS = torch.linspace(1.0, 0.7, 16)
@@ -88,7 +92,14 @@ def import_gguf(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int], name
         kind = imported.kind
         packing = "pairs" if kind.bits == 4 else "none"
         return QuantizedWeight(
-            imported.q, imported.scales, imported.mins, kind.bits, kind.group, kind.scheme, packing
+            imported.q,
+            imported.scales,
+            imported.mins,
+            kind.bits,
+            kind.group,
+            kind.scheme,
+            packing,
+            kind.value_bits,
         )
     if ggml_type not in GGUF_BLOCKS:
         raise PassError(f"weight {name}: GGUF type {ggml_type} cannot be imported", hint="use int8 or int4")

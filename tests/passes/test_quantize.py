@@ -39,7 +39,8 @@ def test_kquant_and_q5_blocks_import_bit_identically(ggml_type: str, random_gguf
     expected = QuantizedTensor(ggml_type, (rows, k), blocks).dequantize()  # gguf.quants.dequantize
     assert torch.isfinite(expected).all()
     imported = import_gguf(ggml_type, blocks, (rows, k), "w")
-    assert imported.scales.dtype == torch.float32
+    # their own f16 d (and m) for Q5_0 and Q5_1; products d * sc as float32 for the K-quants
+    assert imported.scales.dtype == (torch.float16 if ggml_type in ("Q5_0", "Q5_1") else torch.float32)
     ours = _dequantized(imported)
     assert torch.equal(ours, expected)
     assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))  # to the bit, signed zeros too

@@ -74,12 +74,44 @@ def choose_isa(features: set[str]) -> Isa | None:
     return None
 
 
-def int_dot_tile(n: int, spec: QuantSpec, isa: Isa) -> int | None:
-    """Columns per strip for N outputs, or None when the kernel does not apply."""
+@dataclass(frozen=True)
+class Plane:
+    """How the weights are stored for the kernel: unsigned values u = q + offset, as `bits`-bit
+    values: 8 a byte each; 4 as nibbles; 5 and 6 as nibbles plus a plane of the bits above."""
+
+    bits: int
+    offset: int
+
+    @property
+    def nibbles(self) -> bool:
+        return self.bits < 8
+
+    @property
+    def pairs_a_high_row(self) -> int:  # nibble rows (8 k each) whose high bits share a row of bytes
+        return {5: 4, 6: 2}.get(self.bits, 1)
+
+
+def weight_plane(spec: QuantSpec, value_bits: int | None = None) -> Plane | None:
+    """The tightest plane for the spec's values (`value_bits`: the IR's hint), None: no kernel."""
     if (spec.bits, spec.scheme) not in ((4, "min"), (4, "zero_point"), (8, "symmetric"), (8, "min")):
         return None
     block = activation_block(spec.group_size)
     if block is None or block % 8:
+        return None
+    if spec.bits == 4:
+        return Plane(4, 0)
+    bits = value_bits or 8
+    offset = 1 << (bits - 1) if spec.scheme == "symmetric" else 0
+    if bits <= 4:
+        return Plane(4, offset)
+    if bits <= 6 and (block // 8) % Plane(bits, 0).pairs_a_high_row == 0:
+        return Plane(bits, offset)
+    return Plane(8, 128)  # int8 q as q + 128 (q ^ 0x80)
+
+
+def int_dot_tile(n: int, spec: QuantSpec, isa: Isa) -> int | None:
+    """Columns per strip for N outputs, or None when the kernel does not apply."""
+    if weight_plane(spec) is None:
         return None
     for vectors in range(isa.vectors, 0, -1):
         if n % (isa.lanes * vectors) == 0:
@@ -97,7 +129,7 @@ def activation_block(group: int) -> int | None:
 DotPair = Callable[[Expr, Expr, Expr, Expr, Expr], Expr]
 
 
-def _dot_pair(isa: Isa, four_bit: bool) -> DotPair:
+def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
     """acc (int32 x lanes) + the 4-byte dots of two weight vectors (u8 x 4 lanes) with two 4-byte
     activation groups (each one int32, broadcast to every lane)."""
     lanes, width = isa.lanes, isa.bytes
@@ -128,7 +160,7 @@ def _dot_pair(isa: Isa, four_bit: bool) -> DotPair:
             dtype="int32x8",
         )
 
-    if four_bit:  # 2 * (15 * 127 * 2) fits int16: add the two products before widening
+    if nibbles:  # u <= 63: 2 * (63 * 127 * 2) fits int16: add the two products before widening
         return lambda acc, w0, x0, w1, x1: (
             acc + widen(products(w0, bytes_of(x0)) + products(w1, bytes_of(x1)))
         )
@@ -145,7 +177,13 @@ def _dot_pair(isa: Isa, four_bit: bool) -> DotPair:
 
 
 def int_dot_gemm_kernel(
-    k: int, n: int, spec: QuantSpec, has_bias: bool, isa: Isa, activation_bits: int = 16
+    k: int,
+    n: int,
+    spec: QuantSpec,
+    has_bias: bool,
+    isa: Isa,
+    plane: Plane | None = None,
+    activation_bits: int = 16,
 ) -> tirx.PrimFunc:
     tile = int_dot_tile(n, spec, isa)
     assert tile is not None, (n, spec, isa)
@@ -157,17 +195,23 @@ def int_dot_gemm_kernel(
     assert block is not None
     blocks = k // block
     per_group = group // block
-    four_bit = spec.bits == 4
-    steps = k // (8 if four_bit else 4)  # rows of weight bytes: 8 k values a 4-bit byte row, 4 an 8-bit
+    plane = plane or weight_plane(spec)
+    assert plane is not None
+    nibbles = plane.nibbles
+    steps = k // (8 if nibbles else 4)  # rows of weight bytes: 8 k values a nibble row, 4 a byte row
+    high_pairs = plane.pairs_a_high_row
+    high_shift = plane.bits - 4  # bits above the nibble
+    high_mask = T.broadcast(T.uint8((1 << high_shift) - 1 if nibbles else 0), width)
     block_pairs = block // 8
     strips = n // tile
     stored = DTYPE_NAMES[spec.scale_dtype]
     scheme = {"symmetric": 0, "min": 1, "zero_point": 2}[spec.scheme]
-    correct = isa.unsigned_int8 and not four_bit  # dot of (q + 128): subtract 128 * sum(xq)
+    # the dot is of u = q + offset: subtract offset * sum(xq), except where AVX2 takes int8 signed
+    offset = plane.offset if nibbles or isa.unsigned_int8 else 0
     halves = activation_bits // 8  # int16 activations v = 255 * high + low, two int8 dots
     levels = {8: 127, 16: 255 * 127}[activation_bits]  # |high|, |low| <= 127 (vpsignb negates them)
     row_block = 4 // halves  # rows a strip pass keeps in registers: row_block x vectors x halves
-    dot_pair = _dot_pair(isa, four_bit)
+    dot_pair = _dot_pair(isa, nibbles)
     nibble = T.broadcast(T.uint8(15), width)
     four = T.broadcast(T.uint8(4), width)
 
@@ -180,6 +224,7 @@ def int_dot_gemm_kernel(
         row0,
         count,
         w,
+        w_high,
         xq,
         x_scales,
         xq_sums,
@@ -208,10 +253,29 @@ def int_dot_gemm_kernel(
                     for r in T.unroll(count):
                         for lane in T.vectorized(tile):
                             dots[h, r, lane] = 0
-                for p in T.serial(block_pairs):  # 8 k values: one 4-bit row of bytes, two 8-bit rows
+                for p in T.unroll(block_pairs):  # 8 k values: one nibble row of bytes, two byte rows
                     pair = (g * per_group + bi) * block_pairs + p
                     for v in T.unroll(vectors):
-                        if four_bit:
+                        if nibbles and high_shift > 0:
+                            low[v, T.ramp(0, 1, width)] = (
+                                w.vload([jo, pair, v * width], f"uint8x{width}") & nibble
+                            ) | (
+                                (
+                                    w_high.vload([jo, pair // high_pairs, v * width], f"uint8x{width}")
+                                    >> T.broadcast(T.uint8(high_shift * 2 * (p % high_pairs)), width)
+                                )
+                                & high_mask
+                            ) << four
+                            high[v, T.ramp(0, 1, width)] = (
+                                w.vload([jo, pair, v * width], f"uint8x{width}") >> four
+                            ) | (
+                                (
+                                    w_high.vload([jo, pair // high_pairs, v * width], f"uint8x{width}")
+                                    >> T.broadcast(T.uint8(high_shift * (2 * (p % high_pairs) + 1)), width)
+                                )
+                                & high_mask
+                            ) << four
+                        elif nibbles:
                             low[v, T.ramp(0, 1, width)] = (
                                 w.vload([jo, pair, v * width], f"uint8x{width}") & nibble
                             )
@@ -241,8 +305,8 @@ def int_dot_gemm_kernel(
                     for lane in T.vectorized(tile):
                         if halves == 2:
                             dots[0, r, lane] = dots[0, r, lane] * 255 + dots[1, r, lane]
-                        if correct:
-                            dots[0, r, lane] = dots[0, r, lane] - 128 * xq_sums[row0 + r, blk]
+                        if offset != 0:
+                            dots[0, r, lane] = dots[0, r, lane] - offset * xq_sums[row0 + r, blk]
                         if per_group == 1:
                             part[r, lane] = x_scales[row0 + r, blk] * T.Cast("float32", dots[0, r, lane])
                         else:
@@ -274,6 +338,7 @@ def int_dot_gemm_kernel(
     def int_dot_gemm(
         x_handle: T.handle,
         w_handle: T.handle,
+        high_handle: T.handle,
         s_handle: T.handle,
         z_handle: T.handle,
         bias_handle: T.handle,
@@ -285,7 +350,10 @@ def int_dot_gemm_kernel(
         q = T.int64()
         bias_len = T.int64()  # n with a bias; 1 (never read) without
         x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
-        w = T.match_buffer(w_handle, (strips, steps, tile * 4), "uint8" if four_bit else "int8")
+        w = T.match_buffer(w_handle, (strips, steps, tile * 4), "uint8" if nibbles else "int8")
+        w_high = T.match_buffer(  # plane 5 and 6: the bits above the nibbles (else w again, unread)
+            high_handle, (strips, steps // high_pairs, tile * 4), "uint8" if nibbles else "int8"
+        )
         scales = T.match_buffer(s_handle, (strips, groups, tile), stored)
         zeros = T.match_buffer(z_handle, (strips, groups, tile), stored)
         bias = T.match_buffer(bias_handle, (bias_len,), "float32")
@@ -346,6 +414,7 @@ def int_dot_gemm_kernel(
                 high = T.sblock_alloc_buffer((vectors, width), "uint8", scope="local")
                 buffers = (
                     w,
+                    w_high,
                     xq,
                     x_scales,
                     xq_sums,

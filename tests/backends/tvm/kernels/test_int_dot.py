@@ -10,19 +10,39 @@ import tvm
 
 from kiln.backends.tvm.cpu import TRIPLE
 from kiln.backends.tvm.cpu_features import host_flags
-from kiln.backends.tvm.kernels.int_dot import ISAS, choose_isa, int_dot_gemm_kernel, int_dot_tile
+from kiln.backends.tvm.kernels.int_dot import (
+    ISAS,
+    Plane,
+    choose_isa,
+    int_dot_gemm_kernel,
+    int_dot_tile,
+    weight_plane,
+)
 from kiln.backends.tvm.kernels.linear import QuantSpec
-from kiln.backends.tvm.layouts import dot_tiled, tiled
+from kiln.backends.tvm.layouts import dot_high, dot_tiled, tiled
 from kiln.ir.ops.quant import pack_int4
 
 K, N = 256, 128
 ROWS = (1, 3, 4, 7, 16, 64)
+# (spec, value_bits): every plane the kernel reads
 SPECS = (
-    QuantSpec(4, 32, "min"),  # GGUF Q4_K, Q4_1
-    QuantSpec(4, 128, "zero_point"),  # int4, activation blocks of 32 inside a group
-    QuantSpec(8, 16, "symmetric"),  # GGUF Q6_K, Q3_K; int8 weights over the whole -128..127
-    QuantSpec(8, 32, "min"),  # GGUF Q5_K, Q5_1
+    (QuantSpec(4, 32, "min"), None),  # GGUF Q4_K, Q4_1: nibbles
+    (QuantSpec(4, 128, "zero_point"), None),  # int4, activation blocks of 32 inside a group
+    (QuantSpec(8, 16, "symmetric"), None),  # int8 and Q8_0: -128..127, a byte each
+    (QuantSpec(8, 16, "symmetric"), 6),  # GGUF Q6_K: -32..31, nibbles and a 2-bit plane
+    (QuantSpec(8, 32, "symmetric"), 5),  # GGUF Q5_0: -16..15, nibbles and a 1-bit plane
+    (QuantSpec(8, 32, "min"), 5),  # GGUF Q5_K, Q5_1: 0..31
+    (QuantSpec(8, 16, "symmetric"), 3),  # GGUF Q3_K: -4..3, nibbles (offset 4)
 )
+EXPECTED_PLANES = [
+    Plane(4, 0),
+    Plane(4, 0),
+    Plane(8, 128),
+    Plane(6, 32),
+    Plane(5, 16),
+    Plane(5, 0),
+    Plane(4, 4),
+]
 # The CPU each variant is compiled for, and the /proc/cpuinfo flags it needs to run.
 VARIANTS = {
     "vnni512": ("znver5", {"avx512_vnni", "avx512bw"}),
@@ -43,11 +63,12 @@ def _quantize_activations(x: np.ndarray, block: int, bits: int) -> np.ndarray:
     return (np.round(blocks / safe) * scale).reshape(x.shape)
 
 
-def _weights(spec: QuantSpec, rng: np.random.Generator):
-    if spec.bits == 4:
-        q = rng.integers(0, 16, (N, K))
+def _weights(spec: QuantSpec, value_bits: int | None, rng: np.random.Generator):
+    bits = value_bits or spec.bits
+    if spec.scheme == "symmetric":
+        q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (N, K))
     else:
-        q = rng.integers(-128, 128, (N, K)) if spec.scheme == "symmetric" else rng.integers(0, 32, (N, K))
+        q = rng.integers(0, 1 << min(bits, 7), (N, K))
     scales = rng.uniform(1e-3, 2e-2, (N, K // spec.group_size)).astype(np.float32)
     zeros = rng.uniform(-0.1, 0.1, (N, K // spec.group_size)).astype(np.float32)
     s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
@@ -60,7 +81,7 @@ def _weights(spec: QuantSpec, rng: np.random.Generator):
     return q, scales, zeros, dense.astype(np.float64)
 
 
-def _run(spec: QuantSpec, variant: str, activation_bits: int) -> None:
+def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int) -> None:
     mcpu, needs = VARIANTS[variant]
     if not needs <= host_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
@@ -68,24 +89,26 @@ def _run(spec: QuantSpec, variant: str, activation_bits: int) -> None:
     tile = int_dot_tile(N, spec, isa)
     assert tile is not None
     target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": mcpu})
-    kernel = int_dot_gemm_kernel(K, N, spec, False, isa, activation_bits)
+    plane = weight_plane(spec, value_bits)
+    assert plane is not None
+    kernel = int_dot_gemm_kernel(K, N, spec, False, isa, plane, activation_bits)
     library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
     rng = np.random.default_rng(spec.group_size + spec.bits)
-    q, scales, zeros, dense = _weights(spec, rng)
+    q, scales, zeros, dense = _weights(spec, value_bits, rng)
+    packing = "pairs" if spec.bits == 4 else "none"
     stored = (
-        pack_int4(torch.from_numpy(q).to(torch.uint8), "pairs")
+        pack_int4(torch.from_numpy(q).to(torch.uint8), packing)
         if spec.bits == 4
         else torch.from_numpy(q).to(torch.int8)
     )
-    weights = dot_tiled(stored, spec.bits, "pairs", tile).numpy()
+    main = dot_tiled(stored, spec.bits, packing, tile, plane.bits, plane.offset)
+    high = (
+        dot_high(stored, spec.bits, packing, tile, plane.bits, plane.offset) if plane.bits in (5, 6) else main
+    )
     device = tvm.cpu()
     constant = [
-        tvm.runtime.tensor(a, device)
-        for a in (
-            weights,
-            tiled(torch.from_numpy(scales), tile).numpy(),
-            tiled(torch.from_numpy(zeros), tile).numpy(),
-        )
+        tvm.runtime.tensor(a.numpy(), device)
+        for a in (main, high, tiled(torch.from_numpy(scales), tile), tiled(torch.from_numpy(zeros), tile))
     ]
     block = min(spec.group_size, 32)
     for rows in ROWS:
@@ -118,17 +141,26 @@ def _run(spec: QuantSpec, variant: str, activation_bits: int) -> None:
         assert float_error < FLOAT_TOLERANCE[activation_bits], (variant, spec, rows, float_error)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}bit-{s.scheme}-g{s.group_size}")
+def _id(case: tuple[QuantSpec, int | None]) -> str:
+    spec, value_bits = case
+    return f"{spec.bits}bit-{spec.scheme}-g{spec.group_size}-v{value_bits or spec.bits}"
+
+
+@pytest.mark.parametrize("case", SPECS, ids=_id)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_variant_and_layout(spec: QuantSpec, variant: str) -> None:
-    _run(spec, variant, 16)
+def test_every_variant_and_plane(case: tuple[QuantSpec, int | None], variant: str) -> None:
+    _run(*case, variant, 16)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_int8_activations(variant: str) -> None:
     """llama.cpp's Q8 rounding (one int8 dot a weight byte instead of two): about 1/254 of a block."""
-    for spec in SPECS:
-        _run(spec, variant, 8)
+    for case in SPECS:
+        _run(*case, variant, 8)
+
+
+def test_the_tightest_plane_is_chosen() -> None:
+    assert [weight_plane(spec, value_bits) for spec, value_bits in SPECS] == EXPECTED_PLANES
 
 
 def test_variant_choice_follows_the_target_features() -> None:
