@@ -47,6 +47,8 @@ def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
         return rowwise.schedule_rms_norm_cpu(func, info["hidden"], info["with_residual"]), "templated"
     if kind == "rope":
         return rowwise.schedule_rope_cpu(func), "templated"
+    if kind == "swiglu":
+        return rowwise.schedule_swiglu_cpu(func, info["intermediate"]), "templated"
     return func, "hand-written TIR"  # attention, kv_write and qgemm are written scheduled
 
 

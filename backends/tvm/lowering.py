@@ -431,12 +431,26 @@ def _silu(lw: Lowerer, node: Node) -> list[relax.Expr]:
 @lowering("swiglu")
 def _swiglu(lw: Lowerer, node: Node) -> list[relax.Expr]:
     gate = lw.value(node.inputs[0])
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        up = lw.value(node.inputs[1])
-    else:
-        halves = lw.emit(relax.op.split(gate, 2, axis=-1))
-        gate, up = lw.emit(relax.TupleGetItem(halves, 0)), lw.emit(relax.TupleGetItem(halves, 1))
-    return [lw.emit(relax.op.multiply(relax.op.nn.silu(gate), up))]
+    fused = not (len(node.inputs) > 1 and node.inputs[1] is not None)
+    if lw.target_kind != "cpu":
+        if fused:
+            halves = lw.emit(relax.op.split(gate, 2, axis=-1))
+            gate, up = lw.emit(relax.TupleGetItem(halves, 0)), lw.emit(relax.TupleGetItem(halves, 1))
+        else:
+            up = lw.value(node.inputs[1])
+        return [lw.emit(relax.op.multiply(relax.op.nn.silu(gate), up))]
+    out_type = node.outputs[0].type
+    if out_type.rank != 2:
+        raise BackendError(f"tvm: swiglu lowers 2-D [rows, features] inputs: {node.describe()}")
+    intermediate = int(out_type.shape[1])
+    kernel = lw.kernel(
+        "swiglu",
+        (intermediate, out_type.dtype, fused),
+        lambda: rowwise.swiglu_kernel(intermediate, out_type.dtype, fused),
+        {"intermediate": intermediate},
+    )
+    args = [lw.value(v) for v in node.inputs if v is not None]
+    return [lw.emit(relax.call_tir(kernel, args, _out_sinfo(lw, node)))]
 
 
 @lowering("split")

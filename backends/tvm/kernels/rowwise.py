@@ -1,4 +1,4 @@
-"""Row-wise kernels as TE: RMSNorm (optionally after a residual add) and rotary embedding.
+"""Row-wise kernels as TE: RMSNorm (optionally after a residual add), rotary embedding and SwiGLU.
 
 Each is computed the way the reference computes it (float32 inside), and on the CPU scheduled with
 rows in parallel and the hidden dim vectorized.
@@ -7,7 +7,7 @@ rows in parallel and the hidden dim vectorized.
 from __future__ import annotations
 
 import numpy as np
-from tvm import s_tir, te, tirx
+from tvm import s_tir, te, tirx, topi
 
 from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, column_tile
 
@@ -79,12 +79,16 @@ def rope_kernel(heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
     table = te.placeholder((head_dim,), "float32", name="frequency")
     half = head_dim // 2
     angle = te.compute((rows, head_dim), lambda i, d: positions[i].astype("float32") * table[d], name="angle")
+    cos = te.compute(
+        (rows, head_dim), lambda i, d: tirx.cos(angle[i, d]), name="cos"
+    )  # once a row, not a head
+    sin = te.compute((rows, head_dim), lambda i, d: tirx.sin(angle[i, d]), name="sin")
     out = te.compute(
         (rows, heads, head_dim),
         lambda i, h, d: (
-            x[i, h, d] * tirx.cos(angle[i, d]).astype(float_dtype)
+            x[i, h, d] * cos[i, d].astype(float_dtype)
             + tirx.if_then_else(d < half, -x[i, h, d + half], x[i, h, d - half])
-            * tirx.sin(angle[i, d]).astype(float_dtype)
+            * sin[i, d].astype(float_dtype)
         ),
         name="rotated",
     )
@@ -96,5 +100,52 @@ def schedule_rope_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     rotated = sch.get_sblock("rotated")
     i = sch.get_loops(rotated)[0]
     sch.parallel(i)
-    sch.compute_at(sch.get_sblock("angle"), i)
+    for table in ("sin", "cos"):
+        sch.compute_at(sch.get_sblock(table), i)
+    sch.compute_inline(sch.get_sblock("angle"))
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def swiglu_kernel(intermediate: int, dtype: str, fused: bool) -> tirx.PrimFunc:
+    """silu(gate) * up: (gate_up[n, 2I]) or (gate[n, I], up[n, I]) -> [n, I]. The exponential is TVM's
+    fast_exp (a vectorizable polynomial, within a few float32 ulps), not a libm call per value."""
+    float_dtype = DTYPE_NAMES[dtype]
+    rows = tirx.Var("n", "int64")
+    if fused:
+        gate_up = te.placeholder((rows, 2 * intermediate), float_dtype, name="gate_up")
+        inputs = [gate_up]
+        gate = te.compute((rows, intermediate), lambda i, j: gate_up[i, j].astype("float32"), name="gate")
+        up = te.compute(
+            (rows, intermediate), lambda i, j: gate_up[i, j + intermediate].astype("float32"), name="up"
+        )
+    else:
+        gate_in = te.placeholder((rows, intermediate), float_dtype, name="gate_in")
+        up_in = te.placeholder((rows, intermediate), float_dtype, name="up_in")
+        inputs = [gate_in, up_in]
+        gate = te.compute((rows, intermediate), lambda i, j: gate_in[i, j].astype("float32"), name="gate")
+        up = te.compute((rows, intermediate), lambda i, j: up_in[i, j].astype("float32"), name="up")
+    negated = te.compute((rows, intermediate), lambda i, j: -gate[i, j], name="negated")
+    exponential = topi.fast_exp(negated)
+    out = te.compute(
+        (rows, intermediate),
+        lambda i, j: (gate[i, j] * up[i, j] / (tirx.const(1, "float32") + exponential[i, j])).astype(
+            float_dtype
+        ),
+        name="swiglu",
+    )
+    return te.create_prim_func([*inputs, out])
+
+
+def schedule_swiglu_cpu(func: tirx.PrimFunc, intermediate: int) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    out = sch.get_sblock("swiglu")
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(block).name_hint != "swiglu":
+            sch.compute_inline(block)
+    i, j = sch.get_loops(out)
+    sch.parallel(i)
+    tile = column_tile(intermediate)
+    if tile > 1:
+        _, inner = sch.split(j, [None, tile])
+        sch.vectorize(inner)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
