@@ -115,3 +115,13 @@ class Backend(Protocol):
         """Checks of the compiled files that need no device (e.g. the .so carries code for the arch):
         one line per check passed; raise BackendError on a failed one."""
         ...
+
+
+def leave_cores_to_compiled_code() -> None:
+    """Called when a compiled CPU executable loads: torch runs one thread from then on.
+
+    The runtime's own torch work per step (step inputs, sampling) is small, but torch's OpenMP pool
+    spin-waits after each parallel op on the cores the backend's worker threads need: through
+    `kiln.LLM`, SmolLM2's decode on TVM went from 87 to 185 tok/s on 2 cores with one torch thread.
+    """
+    torch.set_num_threads(1)

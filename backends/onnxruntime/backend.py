@@ -7,7 +7,14 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable, KVCacheSpec
+from kiln.backends.base import (
+    BackendError,
+    CompiledCode,
+    CompileSettings,
+    Executable,
+    KVCacheSpec,
+    leave_cores_to_compiled_code,
+)
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
 from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
 from kiln.backends.onnxruntime.session import providers, session_config, session_options
@@ -72,6 +79,8 @@ class OnnxRuntimeBackend:
         config = meta.get(SESSION_KEY)
         if config is None:
             raise BackendError(f"{folder}: the ONNX metadata has no session settings")
+        if all(name == "CPUExecutionProvider" for name, _ in providers(config)):
+            leave_cores_to_compiled_code()
         return OnnxRuntimeExecutable(
             model, meta, weights, session_options(config), providers(config), _kv_spec(meta)
         )

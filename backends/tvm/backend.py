@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable, KVCacheSpec
+from kiln.backends.base import (
+    BackendError,
+    CompiledCode,
+    CompileSettings,
+    Executable,
+    KVCacheSpec,
+    leave_cores_to_compiled_code,
+)
 from kiln.backends.targets import Target
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads
@@ -123,6 +130,7 @@ class TVMBackend:
                     hint="compile for this machine (--target cpu) or an older CPU (--target cpu:x86-64-v3)",
                 )
             set_threads(description.get("num_threads"))
+            leave_cores_to_compiled_code()
         return TVMExecutable(
             folder / LIBRARY,
             description["params"],

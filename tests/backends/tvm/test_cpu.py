@@ -61,7 +61,11 @@ def test_smollm2_float32_logits_and_greedy_tokens(smollm2_o2, smollm2_tvm) -> No
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_blocks_match_the_reference(smollm2_q4_1, tmp_path: Path, tvm_compile) -> None:
+def test_smollm2_gguf_blocks_match_the_reference(
+    smollm2_q4_1, tmp_path: Path, tvm_compile, check_batch_invariance
+) -> None:
+    """Also batch-invariant: each row's activations are quantized on their own and its integer dot
+    products are exact, whatever the rows beside it."""
     ops = smollm2_q4_1.program.graph.op_counts()
     assert ops["quantized_linear"] == 30 * 4 + 1  # Q4_1 layers and the Q8_0 LM head
     tvm = tvm_compile(smollm2_q4_1.program, tmp_path)
@@ -72,6 +76,7 @@ def test_smollm2_gguf_blocks_match_the_reference(smollm2_q4_1, tmp_path: Path, t
     theirs = reference.step(inputs, reference.kv_cache_spec.allocate(4, BLOCK_SIZE))
     assert _relative_error(ours, theirs) < QUANTIZED_TOLERANCE
     assert greedy_generate(tvm, prompt, 16) == greedy_generate(reference, prompt, 16)
+    check_batch_invariance(tvm, smollm2_q4_1.tokenizer, "tvm-gguf")
 
 
 @pytest.mark.slow
