@@ -79,6 +79,13 @@ def test_smollm2_gguf_blocks_match_the_reference(
     check_batch_invariance(tvm, smollm2_q4_1.tokenizer, "tvm-gguf")
 
 
+def test_loading_leaves_the_cores_to_tvm(tmp_path: Path, tvm_compile, make_tiny_program) -> None:
+    """torch's OpenMP pool would spin-wait on the cores TVM's workers need (decode 2x slower)."""
+    torch.set_num_threads(2)
+    tvm_compile(make_tiny_program("llama", tmp_path / "hf", opt_level=2), tmp_path / "tvm")
+    assert torch.get_num_threads() == 1
+
+
 @pytest.mark.slow
 def test_engine_batch_invariance_on_tvm(smollm2_o2, smollm2_tvm, check_batch_invariance) -> None:
     check_batch_invariance(smollm2_tvm, smollm2_o2.tokenizer, "tvm")
