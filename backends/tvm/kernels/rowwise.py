@@ -6,6 +6,8 @@ rows in parallel and the hidden dim vectorized.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from tvm import s_tir, te, tirx, topi
 
@@ -46,22 +48,23 @@ def rms_norm_kernel(hidden: int, eps: float, dtype: str, with_residual: bool) ->
     return te.create_prim_func([*inputs, weight, *outputs])
 
 
+def _rows_parallel_columns_vectorized(sch: s_tir.Schedule, block_name: str, columns: int) -> Any:
+    """Rows across cores, the columns in vectors; returns the row loop."""
+    rows, column = sch.get_loops(sch.get_sblock(block_name))
+    sch.parallel(rows)
+    tile = column_tile(columns)
+    if tile > 1:
+        _, inner = sch.split(column, [None, tile])
+        sch.vectorize(inner)
+    return rows
+
+
 def schedule_rms_norm_cpu(func: tirx.PrimFunc, hidden: int, with_residual: bool) -> tirx.PrimFunc:
     sch = s_tir.Schedule(func)
-    normed = sch.get_sblock("normed")
-    i, j = sch.get_loops(normed)
-    sch.parallel(i)
-    tile = column_tile(hidden)
-    if tile > 1:
-        _, inner = sch.split(j, [None, tile])
-        sch.vectorize(inner)
-    sch.compute_at(sch.get_sblock("square_sum"), i)
+    rows = _rows_parallel_columns_vectorized(sch, "normed", hidden)
+    sch.compute_at(sch.get_sblock("square_sum"), rows)
     if with_residual:  # an output too, so a loop nest of its own
-        rows, columns = sch.get_loops(sch.get_sblock("total"))
-        sch.parallel(rows)
-        if tile > 1:
-            _, inner = sch.split(columns, [None, tile])
-            sch.vectorize(inner)
+        _rows_parallel_columns_vectorized(sch, "total", hidden)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
@@ -138,14 +141,8 @@ def swiglu_kernel(intermediate: int, dtype: str, fused: bool) -> tirx.PrimFunc:
 
 def schedule_swiglu_cpu(func: tirx.PrimFunc, intermediate: int) -> tirx.PrimFunc:
     sch = s_tir.Schedule(func)
-    out = sch.get_sblock("swiglu")
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         if sch.get(block).name_hint != "swiglu":
             sch.compute_inline(block)
-    i, j = sch.get_loops(out)
-    sch.parallel(i)
-    tile = column_tile(intermediate)
-    if tile > 1:
-        _, inner = sch.split(j, [None, tile])
-        sch.vectorize(inner)
+    _rows_parallel_columns_vectorized(sch, "swiglu", intermediate)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
