@@ -219,26 +219,10 @@ def int_dot_gemm_kernel(
         return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
 
     @T.macro
-    def rows_of_strip(
-        jo,
-        row0,
-        count,
-        w,
-        w_high,
-        xq,
-        x_scales,
-        xq_sums,
-        x_sums,
-        scales,
-        zeros,
-        bias,
-        y_rows,
-        acc,
-        part,
-        dots,
-        low,
-        high,
-    ):
+    def rows_of_strip(jo, row0, count, buffers):
+        w, w_high, xq, x_scales, xq_sums, x_sums, scales, zeros, bias, y_rows, acc, part, dots, low, high = (
+            buffers
+        )
         # `count` (1 or row_block) rows from row0, strip jo
         for r in T.unroll(count):
             for lane in T.vectorized(tile):
@@ -430,8 +414,8 @@ def int_dot_gemm_kernel(
                     high,
                 )
                 for a in T.serial(rows // row_block):
-                    rows_of_strip(jo, a * row_block, row_block, *buffers)
+                    rows_of_strip(jo, a * row_block, row_block, buffers)
                 for r in T.serial(rows % row_block):
-                    rows_of_strip(jo, rows - rows % row_block + r, 1, *buffers)
+                    rows_of_strip(jo, rows - rows % row_block + r, 1, buffers)
 
     return int_dot_gemm
