@@ -125,7 +125,13 @@ class TVMExecutable:
         source = weights.get(spec["source"])
         if source is None:
             raise BackendError(f"the artifact's weights have no {spec['source']}")
-        tensor = apply_layout(spec["transform"], source)
+        try:
+            tensor = apply_layout(spec["transform"], source)
+        except ValueError as error:
+            raise BackendError(
+                f"weight {spec['source']}: cannot lay it out as {spec['transform']} ({error})",
+                hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
+            ) from None
         if list(tensor.shape) != spec["shape"] or tensor.dtype != getattr(torch, spec["dtype"]):
             raise BackendError(
                 f"weight {spec['source']} ({spec['transform']}) is {tensor.dtype} {list(tensor.shape)}, "

@@ -15,6 +15,9 @@ transform names are recorded with the compiled code (step.json).
                                   4 bytes, [N / tile, K / step, tile * 4]. plane 8: a byte a value,
                                   4 k a row. plane 4, 5, 6: u's low nibbles, 8 k a row: a byte holds
                                   k (low nibble) and k + 4 (high)
+    factored_sub:<tile>:<per>     scales (or mins) s [N, G] as s = D * c exactly, D a float32 a run of
+    factored_super:<tile>:<per>   <per> groups, c an int8 a group (GGUF K-quants: d * sc): c tiled
+                                  [N / tile, G, tile] int8, D tiled [N / tile, G / per, tile] float32
     dot_high:...                  plane 5 and 6: the bits above the nibble, same row shape; a row
                                   covers 4 nibble rows (plane 5: bit 2p + h is row p's nibble h's
                                   fifth bit) or 2 (plane 6: bits 2(2p + h), +1)
@@ -22,6 +25,7 @@ transform names are recorded with the compiled code (step.json).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.ir.ops.quant import unpack_int4
@@ -72,6 +76,38 @@ def dot_high(
     return _strips(packed, tile).contiguous()
 
 
+def factored(scales: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D [N, G / per] float32, c [N, G] int8) with D * c == scales bit for bit in float32: D is the
+    gcd of each run's values on their common power-of-two unit. Raises ValueError where none exists."""
+    values = scales.to(torch.float32).numpy()
+    rows, groups = values.shape
+    runs = values.reshape(rows, groups // per, per)
+    mantissa, exponent = np.frexp(runs)
+    integers = (mantissa * (1 << 24)).astype(np.int64)  # exact: float32 has 24 bits
+    unit = np.where(integers != 0, exponent.astype(np.int64) - 24, np.iinfo(np.int64).max)
+    lowest = unit.min(axis=-1, keepdims=True)
+    shift = np.where(integers != 0, unit - np.where(lowest == np.iinfo(np.int64).max, 0, lowest), 0)
+    if (shift > 36).any():
+        raise ValueError("scales span too many powers of two to factor")
+    integers = integers << shift
+    common = np.gcd.reduce(np.abs(integers), axis=-1, keepdims=True)
+    empty = common == 0
+    common = np.where(empty, 1, common)
+    factors = integers // common
+    flip = np.where((factors > 127).any(axis=-1, keepdims=True), -1, 1)  # a negative d times -128
+    factors = factors * flip
+    base = flip * np.where(empty, 0.0, np.ldexp(common.astype(np.float64), np.where(empty, 0, lowest)))
+    base32 = base.astype(np.float32)
+    if (factors < -128).any() or (factors > 127).any() or (base32.astype(np.float64) != base).any():
+        raise ValueError("scales are not a float32 times int8 factors per run")
+    if not np.array_equal(base32 * factors.astype(np.float32), runs):
+        raise ValueError("factored scales do not reproduce every scale")
+    return (
+        torch.from_numpy(base32.reshape(rows, groups // per)),
+        torch.from_numpy(factors.astype(np.int8).reshape(rows, groups)),
+    )
+
+
 def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
     kind, *args = transform.split(":")
     if kind == "none":
@@ -80,6 +116,10 @@ def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
         return tiled(tensor, int(args[0]))
     if kind == "int4_tiled":
         return tiled(int4_pairs(tensor, args[0]), int(args[1]))
+    if kind in ("factored_sub", "factored_super"):
+        tile, per = int(args[0]), int(args[1])
+        base, factors = factored(tensor, per)
+        return tiled(factors if kind == "factored_sub" else base, tile)
     if kind in ("dot_tiled", "dot_high"):
         bits, packing, tile, plane, offset = int(args[0]), args[1], int(args[2]), int(args[3]), int(args[4])
         make = dot_tiled if kind == "dot_tiled" else dot_high
@@ -97,3 +137,7 @@ def int4_tiled_transform(packing: str, tile: int) -> str:
 
 def dot_transform(kind: str, bits: int, packing: str, tile: int, plane: int, offset: int) -> str:
     return f"{kind}:{bits}:{packing}:{tile}:{plane}:{offset}"
+
+
+def factored_transform(kind: str, tile: int, per: int) -> str:
+    return f"factored_{kind}:{tile}:{per}"

@@ -30,7 +30,12 @@ from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import int_dot, quant_gemm, rowwise
 from kiln.backends.tvm.kernels import linear as linear_kernels
-from kiln.backends.tvm.layouts import dot_transform, int4_tiled_transform, tiled_transform
+from kiln.backends.tvm.layouts import (
+    dot_transform,
+    factored_transform,
+    int4_tiled_transform,
+    tiled_transform,
+)
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, Node, TensorType, Value
 from kiln.ir.ops.attention import rope_inv_freq
 
@@ -220,16 +225,20 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     dot_tile = int_dot.int_dot_tile(n, spec, isa) if isa is not None else None
     group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
     tile = dot_tile or group_tile or linear_kernels.column_tile(n)
-    scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
-    zero_param = (
-        lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile)) if zeros is not None else None
-    )
+    scale_block = node.attrs.get("scale_block")
+    per = int(scale_block) // int(group) if scale_block and dot_tile is not None else 0
+    per = per if per > 1 and (k // group) % per == 0 else 0  # the int-dot kernel's factored scales
+    if not per:
+        scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
+        zero_param = (
+            lw.param(zeros, tiled_transform(tile), (n // tile, k // group, tile))
+            if zeros is not None
+            else None
+        )
     bias_arg = lw.value(bias) if bias is not None else None
     key = (k, n, bits, group, scheme, scales.type.dtype, bias is not None)
     if dot_tile is not None or group_tile is not None:  # hand-written: fixed signature, unused inputs unread
-        tail = [
-            scale_param,
-            scale_param if zero_param is None else zero_param,
+        last = [
             relax.const(np.zeros(1, dtype=np.float32)) if bias_arg is None else bias_arg,
             lw.values[ROW_COUNTS],
             which,
@@ -238,10 +247,17 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             plane = int_dot.weight_plane(spec, node.attrs.get("value_bits"))
             assert plane is not None
             weight_args = _dot_weights(lw, qweight, int(bits), str(packing), dot_tile, plane)
+            if per:
+                scale_args = _factored_scales(lw, scales, tile, per)
+                zero_args = _factored_scales(lw, zeros, tile, per) if zeros is not None else scale_args
+                tail = [*scale_args, *zero_args, *last]
+            else:
+                zero_arg = scale_param if zero_param is None else zero_param
+                tail = [scale_param, scale_param, zero_arg, zero_arg, *last]
             kernel = lw.kernel(
                 f"qdot_{isa.name}",
-                (*key, plane),
-                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa, plane),
+                (*key, plane, per),
+                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa, plane, scale_per=per),
                 {},
             )
         else:
@@ -251,6 +267,7 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
                 else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
             )
             weight_args = [packed]
+            tail = [scale_param, scale_param if zero_param is None else zero_param, *last]
             kernel = lw.kernel(
                 "qgemm", key, lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None), {}
             )
@@ -300,6 +317,14 @@ def _dot_weights(
         dtype,
     )
     return [main, high]
+
+
+def _factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[relax.Expr]:
+    """Scales (or mins) as [int8 a group, float32 a run of `per` groups] (layouts.py `factored_*`)."""
+    n, groups = int(scales.type.shape[0]), int(scales.type.shape[1])
+    sub = lw.param(scales, factored_transform("sub", tile, per), (n // tile, groups, tile), "i8")
+    above = lw.param(scales, factored_transform("super", tile, per), (n // tile, groups // per, tile), "f32")
+    return [sub, above]
 
 
 def _rms_norm_call(lw: Lowerer, node: Node, with_residual: bool) -> list[relax.Expr]:

@@ -14,7 +14,9 @@ A quantized weight [N, K] is stored as `qweight` plus per-group `scales` (and `z
 element j+16 high, as GGUF stores Q4_0/Q4_1). 8-bit values are stored as int8 ("none").
 An optional `value_bits` says the stored integers need fewer bits than `bits` (GGUF Q5_0: -16..15 in
 int8, value_bits 5; unsigned 0..2^b - 1 for the min and zero_point schemes, signed -2^(b-1)..2^(b-1) - 1
-for symmetric): backends may pack them tighter. It does not change the arithmetic.
+for symmetric): backends may pack them tighter. An optional `scale_block` says the scales (and
+zeros) are a float per `scale_block` values times a small integer a group (GGUF K-quants: d * sc per
+256): backends may store them so. Neither changes the arithmetic.
 The arithmetic below is the same, in the same order, as the `gguf` package's dequantization, so GGUF
 blocks imported here dequantize bit-identically.
 """
@@ -64,7 +66,8 @@ def dequantize(
     group_size: int,
     scheme: str,
     packing: str,
-    value_bits: int | None = None,  # a packing hint only
+    value_bits: int | None = None,  # packing hints only
+    scale_block: int | None = None,
 ) -> torch.Tensor:
     """The float32 weight [N, K] a quantized layout stands for."""
     values = unpack_int4(qweight, packing) if bits == 4 else qweight
@@ -101,6 +104,11 @@ def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str
         f"bits {bits} with packing {packing!r} is not a layout",
     )
     require(scheme in SCHEMES, f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    scale_block = attrs.get("scale_block", group)
+    require(
+        isinstance(scale_block, int) and isinstance(group, int) and group > 0 and scale_block % group == 0,
+        f"scale_block {scale_block!r} must be a multiple of group_size {group}",
+    )
     value_bits = attrs.get("value_bits", bits)
     require(
         isinstance(value_bits, int) and isinstance(bits, int) and 1 <= value_bits <= bits,
@@ -146,7 +154,8 @@ def quantized_linear(
     group_size: int,
     scheme: str,
     packing: str,
-    value_bits: int | None = None,  # a packing hint for backends: the values fit in fewer bits
+    value_bits: int | None = None,  # packing hints for backends: the values fit in fewer bits,
+    scale_block: int | None = None,  # the scales factor per scale_block values
 ) -> torch.Tensor:
     weight = dequantize(
         qweight, scales, zeros, bits=bits, group_size=group_size, scheme=scheme, packing=packing
@@ -164,6 +173,7 @@ register(
             "scheme": "symmetric | zero_point | min",
             "packing": "pairs | gguf (4-bit), none (8-bit)",
             "value_bits": "optional: the bits the values need (<= bits), a hint for tighter packing",
+            "scale_block": "optional: scales are a float per this many values times an int8 a group",
         },
         _infer_quantized_linear,
         quantized_linear,

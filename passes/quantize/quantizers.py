@@ -26,6 +26,7 @@ class QuantizedWeight:
     scheme: str
     packing: str
     value_bits: int | None = None  # fewer than `bits` when the values need fewer (GGUF Q5_0: 5)
+    scale_block: int | None = None  # scales factor as a float per this many values (K-quants: 256)
 
     def attrs(self) -> dict[str, int | str]:
         attrs: dict[str, int | str] = {
@@ -36,6 +37,8 @@ class QuantizedWeight:
         }
         if self.value_bits is not None and self.value_bits < self.bits:
             attrs["value_bits"] = self.value_bits
+        if self.scale_block is not None:
+            attrs["scale_block"] = self.scale_block
         return attrs
 
 
@@ -100,6 +103,7 @@ def import_gguf(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int], name
             kind.scheme,
             packing,
             kind.value_bits,
+            kind.values if not kind.block_floats else None,  # d * sc a super-block (not Q5_0, Q5_1)
         )
     if ggml_type not in GGUF_BLOCKS:
         raise PassError(f"weight {name}: GGUF type {ggml_type} cannot be imported", hint="use int8 or int4")

@@ -184,7 +184,10 @@ def int_dot_gemm_kernel(
     isa: Isa,
     plane: Plane | None = None,
     activation_bits: int = 16,
+    scale_per: int = 0,
 ) -> tirx.PrimFunc:
+    """`scale_per` > 0: scales (and zeros) come factored, an int8 a group times a float32 a run of
+    `scale_per` groups (layouts.py `factored_*`; GGUF K-quants: d * sc), else as they are."""
     tile = int_dot_tile(n, spec, isa)
     assert tile is not None, (n, spec, isa)
     lanes, width = isa.lanes, isa.bytes
@@ -215,14 +218,23 @@ def int_dot_gemm_kernel(
     nibble = T.broadcast(T.uint8(15), width)
     four = T.broadcast(T.uint8(4), width)
 
+    factored = scale_per > 0
+    super_shape = (strips, groups // scale_per, tile) if factored else (strips, groups, tile)
+    sub_dtype = "int8" if factored else stored
+    super_dtype = "float32" if factored else stored
+
+    def scale_of(sub: Any, above: Any, jo: Expr, g: Expr, lane: Expr) -> Expr:  # group g's float32
+        if factored:
+            return above[jo, g // scale_per, lane] * T.Cast("float32", sub[jo, g, lane])
+        return T.Cast("float32", sub[jo, g, lane])
+
     def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
         return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
 
     @T.macro
     def rows_of_strip(jo, row0, count, buffers):
-        w, w_high, xq, x_scales, xq_sums, x_sums, scales, zeros, bias, y_rows, acc, part, dots, low, high = (
-            buffers
-        )
+        w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = buffers[:10]
+        bias, y_rows, acc, part, dots, low, high = buffers[10:]
         # `count` (1 or row_block) rows from row0, strip jo
         for r in T.unroll(count):
             for lane in T.vectorized(tile):
@@ -300,16 +312,18 @@ def int_dot_gemm_kernel(
             for r in T.unroll(count):
                 for lane in T.vectorized(tile):
                     if scheme == 0:
-                        acc[r, lane] = acc[r, lane] + T.Cast("float32", scales[jo, g, lane]) * part[r, lane]
+                        acc[r, lane] = (
+                            acc[r, lane] + scale_of(scales, scales_super, jo, g, lane) * part[r, lane]
+                        )
                     elif scheme == 1:
                         acc[r, lane] = (
                             acc[r, lane]
-                            + T.Cast("float32", scales[jo, g, lane]) * part[r, lane]
-                            + T.Cast("float32", zeros[jo, g, lane]) * x_sums[row0 + r, g]
+                            + scale_of(scales, scales_super, jo, g, lane) * part[r, lane]
+                            + scale_of(zeros, zeros_super, jo, g, lane) * x_sums[row0 + r, g]
                         )
                     else:
-                        acc[r, lane] = acc[r, lane] + T.Cast("float32", scales[jo, g, lane]) * (
-                            part[r, lane] - T.Cast("float32", zeros[jo, g, lane]) * x_sums[row0 + r, g]
+                        acc[r, lane] = acc[r, lane] + scale_of(scales, scales_super, jo, g, lane) * (
+                            part[r, lane] - scale_of(zeros, zeros_super, jo, g, lane) * x_sums[row0 + r, g]
                         )
         for r in T.unroll(count):
             for lane in T.vectorized(tile):
@@ -324,7 +338,9 @@ def int_dot_gemm_kernel(
         w_handle: T.handle,
         high_handle: T.handle,
         s_handle: T.handle,
+        s_super_handle: T.handle,
         z_handle: T.handle,
+        z_super_handle: T.handle,
         bias_handle: T.handle,
         counts_handle: T.handle,
         which: T.int64,
@@ -338,8 +354,12 @@ def int_dot_gemm_kernel(
         w_high = T.match_buffer(  # plane 5 and 6: the bits above the nibbles (else w again, unread)
             high_handle, (strips, steps // high_pairs, tile * 4), "uint8" if nibbles else "int8"
         )
-        scales = T.match_buffer(s_handle, (strips, groups, tile), stored)
-        zeros = T.match_buffer(z_handle, (strips, groups, tile), stored)
+        scales = T.match_buffer(s_handle, (strips, groups, tile), sub_dtype)
+        zeros = T.match_buffer(z_handle, (strips, groups, tile), sub_dtype)
+        scales_super = T.match_buffer(  # factored: the float32 a run of groups (else scales again, unread)
+            s_super_handle, super_shape, super_dtype
+        )
+        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
         bias = T.match_buffer(bias_handle, (bias_len,), "float32")
         counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
         y = T.match_buffer(y_handle, (q, 4, n), "float32")
@@ -404,7 +424,9 @@ def int_dot_gemm_kernel(
                     xq_sums,
                     x_sums,
                     scales,
+                    scales_super,
                     zeros,
+                    zeros_super,
                     bias,
                     y_rows,
                     acc,

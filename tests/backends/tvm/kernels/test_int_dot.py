@@ -108,7 +108,14 @@ def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits:
     device = tvm.cpu()
     constant = [
         tvm.runtime.tensor(a.numpy(), device)
-        for a in (main, high, tiled(torch.from_numpy(scales), tile), tiled(torch.from_numpy(zeros), tile))
+        for a in (
+            main,
+            high,
+            tiled(torch.from_numpy(scales), tile),
+            tiled(torch.from_numpy(scales), tile),
+            tiled(torch.from_numpy(zeros), tile),
+            tiled(torch.from_numpy(zeros), tile),
+        )
     ]
     block = min(spec.group_size, 32)
     for rows in ROWS:
@@ -157,6 +164,20 @@ def test_int8_activations(variant: str) -> None:
     """llama.cpp's Q8 rounding (one int8 dot a weight byte instead of two): about 1/254 of a block."""
     for case in SPECS:
         _run(*case, variant, 8)
+
+
+def test_factored_scales_reproduce_every_scale() -> None:
+    """GGUF K-quant scales d * sc (f16 d, small integer sc per group) factor exactly per super-block."""
+    from kiln.backends.tvm.layouts import factored
+
+    generator = np.random.default_rng(5)
+    d = generator.uniform(1e-5, 1e-1, (64, 2, 1)).astype(np.float16).astype(np.float32)
+    sc = generator.integers(-128, 128, (64, 2, 16)).astype(np.float32)
+    scales = torch.from_numpy((d * sc).reshape(64, 32))
+    base, factors = factored(scales, 16)
+    assert torch.equal(base.repeat_interleave(16, 1) * factors.to(torch.float32), scales)
+    with pytest.raises(ValueError):
+        factored(torch.tensor([[1.0, 1.0 / 3.0]]), 2)
 
 
 def test_the_tightest_plane_is_chosen() -> None:
