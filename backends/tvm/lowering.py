@@ -261,26 +261,16 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
                 {},
             )
         else:
-            packed = (
-                lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
-                if bits == 4
-                else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
-            )
-            weight_args = [packed]
+            weight_args = [_strip_weights(lw, qweight, int(bits), str(packing), tile)]
             tail = [scale_param, scale_param if zero_param is None else zero_param, *last]
             kernel = lw.kernel(
                 "qgemm", key, lambda: quant_gemm.quant_gemm_kernel(k, n, spec, bias is not None), {}
             )
         args = [x3, *weight_args, *tail]
     else:
-        packed = (
-            lw.param(qweight, int4_tiled_transform(str(packing), tile), (n // tile, k // 2, tile))
-            if bits == 4
-            else lw.param(qweight, tiled_transform(tile), (n // tile, k, tile))
-        )
         args = [
             x3,
-            packed,
+            _strip_weights(lw, qweight, int(bits), str(packing), tile),
             scale_param,
             *([zero_param] if zero_param is not None else []),
             *([bias_arg] if bias_arg is not None else []),
@@ -293,6 +283,14 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         )
     y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
+
+
+def _strip_weights(lw: Lowerer, qweight: Value, bits: int, packing: str, tile: int) -> relax.Expr:
+    """The float32 quantized kernels' weights: strips of `tile` columns (layouts.py `int4_tiled`, `tiled`)."""
+    n, packed_k = int(qweight.type.shape[0]), int(qweight.type.shape[1])
+    if bits == 4:
+        return lw.param(qweight, int4_tiled_transform(packing, tile), (n // tile, packed_k, tile))
+    return lw.param(qweight, tiled_transform(tile), (n // tile, packed_k, tile))
 
 
 def _dot_weights(
