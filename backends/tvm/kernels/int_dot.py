@@ -25,6 +25,11 @@ Weight layout (`dot_tiled`, layouts.py): per strip, per step of 4 k (8 k for 4-b
 of 4 bytes; a 4-bit byte holds k (low nibble) and k + 4 (high nibble). So one vector load feeds
 `lanes` columns x 4 k, and a 4-bit load feeds two dot instructions.
 
+Row passes over a strip keep their accumulators in registers: with many rows, one vector of
+columns for `vectors x 2` rows (AVX-512: 8), so each weight vector is unpacked once for 8 rows;
+the rest two rows over the whole strip, then one. The order of the float sums per output is the
+same in every pass, so a row's result does not depend on how many rows come with it.
+
 Rounding: the activation quantization adds an error of up to d / 2 per value (a relative error
 about 1/254 of the block's largest value), as in llama.cpp; tests state the tolerance.
 """
@@ -214,6 +219,9 @@ def int_dot_gemm_kernel(
     halves = activation_bits // 8  # int16 activations v = 255 * high + low, two int8 dots
     levels = {8: 127, 16: 255 * 127}[activation_bits]  # |high|, |low| <= 127 (vpsignb negates them)
     row_block = 4 // halves  # rows a strip pass keeps in registers: row_block x vectors x halves
+    # many rows: one vector of columns at a time, so that a weight vector unpacked once feeds
+    # `narrow_rows` rows (as many accumulators as a full-width pass)
+    narrow_rows = row_block * vectors
     dot_pair = _dot_pair(isa, nibbles)
     nibble = T.broadcast(T.uint8(15), width)
     four = T.broadcast(T.uint8(4), width)
@@ -231,106 +239,132 @@ def int_dot_gemm_kernel(
     def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
         return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
 
+    def block_index(g: Expr, bi: Expr) -> Expr:  # activation block bi of group g
+        return g * per_group + bi
+
+    def pair_of(g: Expr, bi: Expr, p: Expr) -> Expr:  # the row of 8 k values (a nibble row)
+        return block_index(g, bi) * block_pairs + p
+
     @T.macro
-    def rows_of_strip(jo, row0, count, buffers):
-        w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = buffers[:10]
-        bias, y_rows, acc, part, dots, low, high = buffers[10:]
-        # `count` (1 or row_block) rows from row0, strip jo
+    def dot_step(dots, half, row0, count, nv, pair, xq, low, high):
+        # dots[r, v] += the 8 k of `pair`, activation half `half`, rows row0.., nv vectors
         for r in T.unroll(count):
-            for lane in T.vectorized(tile):
+            for v in T.unroll(nv):
+                dots[r, T.ramp(v * lanes, 1, lanes)] = dot_pair(
+                    dots.vload([r, v * lanes], f"int32x{lanes}"),
+                    low.vload([v, 0], f"uint8x{width}"),
+                    x4(xq, half, row0 + r, pair * 2),
+                    high.vload([v, 0], f"uint8x{width}"),
+                    x4(xq, half, row0 + r, pair * 2 + 1),
+                )
+
+    @T.macro
+    def rows_of_strip(jo, row0, count, v0, nv, buffers):
+        w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = buffers[:10]
+        bias, y_rows, acc, part, dots, dots_low, low, high = buffers[10:]
+        # `count` rows from row0 by `nv` vectors of columns from vector v0, strip jo
+        for r in T.unroll(count):
+            for lane in T.vectorized(nv * lanes):
                 acc[r, lane] = T.float32(0)
         for g in T.serial(groups):
             if per_group > 1:
                 for r in T.unroll(count):
-                    for lane in T.vectorized(tile):
+                    for lane in T.vectorized(nv * lanes):
                         part[r, lane] = T.float32(0)
             for bi in T.serial(per_group):
-                for h in T.unroll(halves):
-                    for r in T.unroll(count):
-                        for lane in T.vectorized(tile):
-                            dots[h, r, lane] = 0
+                for r in T.unroll(count):
+                    for lane in T.vectorized(nv * lanes):
+                        dots[r, lane] = 0
+                        if halves == 2:
+                            dots_low[r, lane] = 0
                 for p in T.unroll(block_pairs):  # 8 k values: one nibble row of bytes, two byte rows
-                    pair = (g * per_group + bi) * block_pairs + p
-                    for v in T.unroll(vectors):
+                    for v in T.unroll(nv):
                         if nibbles and high_shift > 0:
                             low[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair, v * width], f"uint8x{width}") & nibble
+                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
                             ) | (
                                 (
-                                    w_high.vload([jo, pair // high_pairs, v * width], f"uint8x{width}")
+                                    w_high.vload(
+                                        [jo, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
+                                        f"uint8x{width}",
+                                    )
                                     >> T.broadcast(T.uint8(high_shift * 2 * (p % high_pairs)), width)
                                 )
                                 & high_mask
                             ) << four
                             high[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair, v * width], f"uint8x{width}") >> four
+                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
                             ) | (
                                 (
-                                    w_high.vload([jo, pair // high_pairs, v * width], f"uint8x{width}")
+                                    w_high.vload(
+                                        [jo, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
+                                        f"uint8x{width}",
+                                    )
                                     >> T.broadcast(T.uint8(high_shift * (2 * (p % high_pairs) + 1)), width)
                                 )
                                 & high_mask
                             ) << four
                         elif nibbles:
                             low[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair, v * width], f"uint8x{width}") & nibble
+                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
                             )
                             high[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair, v * width], f"uint8x{width}") >> four
+                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
                             ) & nibble
                         else:
                             low[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([jo, pair * 2, v * width], f"int8x{width}"), dtype=f"uint8x{width}"
-                            )
-                            high[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([jo, pair * 2 + 1, v * width], f"int8x{width}"),
+                                w.vload([jo, pair_of(g, bi, p) * 2, (v0 + v) * width], f"int8x{width}"),
                                 dtype=f"uint8x{width}",
                             )
-                    for h in T.unroll(halves):
-                        for r in T.unroll(count):
-                            for v in T.unroll(vectors):
-                                dots[h, r, T.ramp(v * lanes, 1, lanes)] = dot_pair(
-                                    dots.vload([h, r, v * lanes], f"int32x{lanes}"),
-                                    low.vload([v, 0], f"uint8x{width}"),
-                                    x4(xq, h, row0 + r, pair * 2),
-                                    high.vload([v, 0], f"uint8x{width}"),
-                                    x4(xq, h, row0 + r, pair * 2 + 1),
-                                )
-                blk = g * per_group + bi
+                            high[v, T.ramp(0, 1, width)] = T.reinterpret(
+                                w.vload([jo, pair_of(g, bi, p) * 2 + 1, (v0 + v) * width], f"int8x{width}"),
+                                dtype=f"uint8x{width}",
+                            )
+                    dot_step(dots, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high)
+                    if halves == 2:
+                        dot_step(dots_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high)
                 for r in T.unroll(count):
-                    for lane in T.vectorized(tile):
+                    for lane in T.vectorized(nv * lanes):
                         if halves == 2:
-                            dots[0, r, lane] = dots[0, r, lane] * 255 + dots[1, r, lane]
+                            dots[r, lane] = dots[r, lane] * 255 + dots_low[r, lane]
                         if offset != 0:
-                            dots[0, r, lane] = dots[0, r, lane] - offset * xq_sums[row0 + r, blk]
+                            dots[r, lane] = dots[r, lane] - offset * xq_sums[row0 + r, block_index(g, bi)]
                         if per_group == 1:
-                            part[r, lane] = x_scales[row0 + r, blk] * T.Cast("float32", dots[0, r, lane])
+                            part[r, lane] = x_scales[row0 + r, block_index(g, bi)] * T.Cast(
+                                "float32", dots[r, lane]
+                            )
                         else:
-                            part[r, lane] = part[r, lane] + x_scales[row0 + r, blk] * T.Cast(
-                                "float32", dots[0, r, lane]
+                            part[r, lane] = part[r, lane] + x_scales[row0 + r, block_index(g, bi)] * T.Cast(
+                                "float32", dots[r, lane]
                             )
             for r in T.unroll(count):
-                for lane in T.vectorized(tile):
+                for lane in T.vectorized(nv * lanes):
                     if scheme == 0:
                         acc[r, lane] = (
-                            acc[r, lane] + scale_of(scales, scales_super, jo, g, lane) * part[r, lane]
+                            acc[r, lane]
+                            + scale_of(scales, scales_super, jo, g, v0 * lanes + lane) * part[r, lane]
                         )
                     elif scheme == 1:
                         acc[r, lane] = (
                             acc[r, lane]
-                            + scale_of(scales, scales_super, jo, g, lane) * part[r, lane]
-                            + scale_of(zeros, zeros_super, jo, g, lane) * x_sums[row0 + r, g]
+                            + scale_of(scales, scales_super, jo, g, v0 * lanes + lane) * part[r, lane]
+                            + scale_of(zeros, zeros_super, jo, g, v0 * lanes + lane) * x_sums[row0 + r, g]
                         )
                     else:
-                        acc[r, lane] = acc[r, lane] + scale_of(scales, scales_super, jo, g, lane) * (
-                            part[r, lane] - scale_of(zeros, zeros_super, jo, g, lane) * x_sums[row0 + r, g]
+                        acc[r, lane] = acc[r, lane] + scale_of(
+                            scales, scales_super, jo, g, v0 * lanes + lane
+                        ) * (
+                            part[r, lane]
+                            - scale_of(zeros, zeros_super, jo, g, v0 * lanes + lane) * x_sums[row0 + r, g]
                         )
         for r in T.unroll(count):
-            for lane in T.vectorized(tile):
+            for lane in T.vectorized(nv * lanes):
                 if has_bias:
-                    y_rows[row0 + r, jo * tile + lane] = acc[r, lane] + bias[jo * tile + lane]
+                    y_rows[row0 + r, jo * tile + v0 * lanes + lane] = (
+                        acc[r, lane] + bias[jo * tile + v0 * lanes + lane]
+                    )
                 else:
-                    y_rows[row0 + r, jo * tile + lane] = acc[r, lane]
+                    y_rows[row0 + r, jo * tile + v0 * lanes + lane] = acc[r, lane]
 
     @T.prim_func(s_tir=True)
     def int_dot_gemm(
@@ -374,9 +408,9 @@ def int_dot_gemm_kernel(
             with T.sblock("quantize"):
                 T.reads()
                 T.writes()
-                amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                total = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                value = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                amax = T.sblock_alloc_buffer((1,), "float32")
+                total = T.sblock_alloc_buffer((1,), "int32")
+                value = T.sblock_alloc_buffer((1,), "int32")
                 for b in T.serial(blocks):
                     amax[0] = T.float32(0)
                     for i in T.serial(block):
@@ -411,12 +445,25 @@ def int_dot_gemm_kernel(
             with T.sblock("strip"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((row_block, tile), "float32", scope="local")
-                part = T.sblock_alloc_buffer((row_block, tile), "float32", scope="local")
-                dots = T.sblock_alloc_buffer((halves, row_block, tile), "int32", scope="local")
-                low = T.sblock_alloc_buffer((vectors, width), "uint8", scope="local")
-                high = T.sblock_alloc_buffer((vectors, width), "uint8", scope="local")
-                buffers = (
+                # scratch in the default scope, each under 1 KiB: TVM keeps those on the stack (so in
+                # registers after LLVM's SROA); it sends "local" ones to the heap workspace
+                wide = (  # accumulators and unpacked weights of a pass over the whole strip
+                    T.sblock_alloc_buffer((row_block, tile), "float32"),
+                    T.sblock_alloc_buffer((row_block, tile), "float32"),
+                    T.sblock_alloc_buffer((row_block, tile), "int32"),
+                    T.sblock_alloc_buffer((row_block, tile), "int32"),
+                    T.sblock_alloc_buffer((vectors, width), "uint8"),
+                    T.sblock_alloc_buffer((vectors, width), "uint8"),
+                )
+                narrow = (  # ... of a pass over one vector of columns
+                    T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
+                    T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
+                    T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
+                    T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
+                    T.sblock_alloc_buffer((1, width), "uint8"),
+                    T.sblock_alloc_buffer((1, width), "uint8"),
+                )
+                operands = (
                     w,
                     w_high,
                     xq,
@@ -429,15 +476,15 @@ def int_dot_gemm_kernel(
                     zeros_super,
                     bias,
                     y_rows,
-                    acc,
-                    part,
-                    dots,
-                    low,
-                    high,
                 )
-                for a in T.serial(rows // row_block):
-                    rows_of_strip(jo, a * row_block, row_block, buffers)
+                for a in T.serial(rows // narrow_rows):
+                    for vector in T.serial(vectors):
+                        rows_of_strip(jo, a * narrow_rows, narrow_rows, vector, 1, operands + narrow)
+                for a in T.serial(rows % narrow_rows // row_block):
+                    rows_of_strip(
+                        jo, rows - rows % narrow_rows + a * row_block, row_block, 0, vectors, operands + wide
+                    )
                 for r in T.serial(rows % row_block):
-                    rows_of_strip(jo, rows - rows % row_block + r, 1, buffers)
+                    rows_of_strip(jo, rows - rows % row_block + r, 1, 0, vectors, operands + wide)
 
     return int_dot_gemm

@@ -23,7 +23,7 @@ from kiln.backends.tvm.layouts import dot_high, dot_tiled, tiled
 from kiln.ir.ops.quant import pack_int4
 
 K, N = 256, 128
-ROWS = (1, 3, 4, 7, 16, 64)
+ROWS = (1, 3, 4, 7, 13, 16, 64)  # 13: narrow passes, then whole-strip pairs, then one row
 # (spec, value_bits): every plane the kernel reads
 SPECS = (
     (QuantSpec(4, 32, "min"), None),  # GGUF Q4_K, Q4_1: nibbles
