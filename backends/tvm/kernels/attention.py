@@ -95,9 +95,14 @@ def attention_kernel(
                 query = T.sblock_alloc_buffer((group, head_dim), "float32")
                 part = T.sblock_alloc_buffer((lanes,), "float32")
                 scores = T.sblock_alloc_buffer((group, chunk), "float32")
-                running = T.sblock_alloc_buffer((group, 3), "float32")  # max, denominator, new max
+                # max, denominator, new max, the rescale of what came before
+                running = T.sblock_alloc_buffer((group, 4), "float32")
                 owner = T.sblock_alloc_buffer((1,), "int64")
-                row: T.let[T.int64] = task // kv_heads
+                # rows from both ends in turn: the threads' contiguous shares of tasks then hold as
+                # many keys (a causal prefill's last rows see the most)
+                row: T.let[T.int64] = T.if_then_else(
+                    task // kv_heads % 2 == 0, task // kv_heads // 2, n - 1 - task // kv_heads // 2
+                )
                 kvh: T.let[T.int64] = task % kv_heads
                 owner[0] = T.int64(-1)
                 for b in T.serial(num_seqs):
@@ -144,9 +149,10 @@ def attention_kernel(
                             running[g, 2] = running[g, 0]
                             for i in T.serial(count):
                                 running[g, 2] = T.max(running[g, 2], scores[g, i])
+                            running[g, 3] = T.exp(running[g, 0] - running[g, 2])  # once, not a lane
                             for d in T.vectorized(head_dim):
-                                acc[g, d] = acc[g, d] * T.exp(running[g, 0] - running[g, 2])
-                            running[g, 1] = running[g, 1] * T.exp(running[g, 0] - running[g, 2])
+                                acc[g, d] = acc[g, d] * running[g, 3]
+                            running[g, 1] = running[g, 1] * running[g, 3]
                             running[g, 0] = running[g, 2]
                             for i in T.serial(count):
                                 scores[g, i] = T.exp(scores[g, i] - running[g, 0])
