@@ -98,11 +98,7 @@ def attention_kernel(
                 # max, denominator, new max, the rescale of what came before
                 running = T.sblock_alloc_buffer((group, 4), "float32")
                 owner = T.sblock_alloc_buffer((1,), "int64")
-                # rows from both ends in turn: the threads' contiguous shares of tasks then hold as
-                # many keys (a causal prefill's last rows see the most)
-                row: T.let[T.int64] = T.if_then_else(
-                    task // kv_heads % 2 == 0, task // kv_heads // 2, n - 1 - task // kv_heads // 2
-                )
+                row: T.let[T.int64] = task // kv_heads
                 kvh: T.let[T.int64] = task % kv_heads
                 owner[0] = T.int64(-1)
                 for b in T.serial(num_seqs):
