@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -49,6 +50,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim weights) before rope
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -108,7 +110,7 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family = SUPPORTED_ARCHITECTURES[architecture]
         sliding_window = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             sliding_window = None
         rope_params = raw.get("rope_parameters") or {}
         rope_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
@@ -132,6 +134,7 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

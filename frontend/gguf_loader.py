@@ -23,6 +23,7 @@ from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # kept as blocks (imported by `--quantization gguf`, dequantized with `gguf` for capture)
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
@@ -38,6 +39,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -185,6 +188,7 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         qkv_bias=family == "qwen2" or has(".attn_q.bias"),
         o_bias=has(".attn_output.bias"),
         mlp_bias=has(".ffn_up.bias"),
+        qk_norm=has(".attn_q_norm.weight"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_token_ids(reader),
     )

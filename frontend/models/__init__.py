@@ -11,6 +11,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama family in plain torch.nn: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (QKV bias).
+"""The Llama family in plain torch.nn: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (QKV bias),
+Qwen3 (RMSNorm on each head's q and k before rope).
 
 Parameter names follow Hugging Face's, so HF state dicts load as they are. `forward` is the DESIGN.md
 step: a ragged batch of sequences over the paged KV cache, returning logits for `logits_indices`.
@@ -52,6 +53,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -66,6 +69,9 @@ class Attention(nn.Module):
         q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(-1, self.num_heads, self.head_dim)
         k = F.linear(x, self.k_proj.weight, self.k_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
         v = F.linear(x, self.v_proj.weight, self.v_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # rows of one head each: a 2-D norm
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
         q = rope(q, positions, **self.rope_attrs)
         k = rope(k, positions, **self.rope_attrs)
         out = paged_attention(

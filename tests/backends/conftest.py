@@ -51,6 +51,7 @@ TINY_MODELS = {
     ),
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
 }
 
 # The ragged batch: step 1 prefills a[:20] and c[:10]; step 2 decodes a, prefills b from scratch and

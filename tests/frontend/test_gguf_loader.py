@@ -137,6 +137,8 @@ _LAYER_PARTS = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -167,7 +169,9 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_eos_token_id(2)
 
 
-def tiny_weights(bias: bool = False, tied: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
+def tiny_weights(
+    bias: bool = False, tied: bool = True, seed: int = 0, qk_norm: bool = False
+) -> dict[str, np.ndarray]:
     """Random HF-named float32 weights for a tiny Llama-family model, in torch order."""
     rng = np.random.default_rng(seed)
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
@@ -186,6 +190,11 @@ def tiny_weights(bias: bool = False, tied: bool = True, seed: int = 0) -> dict[s
             prefix + "mlp.up_proj.weight": (FFN, HIDDEN),
             prefix + "mlp.down_proj.weight": (HIDDEN, FFN),
         }
+        if qk_norm:
+            shapes |= {
+                prefix + "self_attn.q_norm.weight": (HEAD_DIM,),
+                prefix + "self_attn.k_norm.weight": (HEAD_DIM,),
+            }
         if bias:
             for proj, heads in ("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS):
                 shapes[prefix + f"self_attn.{proj}_proj.bias"] = (heads * HEAD_DIM,)
@@ -296,6 +305,16 @@ def test_qwen2_is_not_permuted_and_has_bias(tmp_path: Path) -> None:
     source = load_gguf(write_gguf(tmp_path / "qwen2.gguf", weights, arch="qwen2"))
     assert source.config.architecture == "Qwen2ForCausalLM"
     assert source.config.qkv_bias and not source.config.o_bias
+    assert set(source.weights) == set(weights)
+    for name, array in weights.items():
+        assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+
+
+def test_qwen3_has_per_head_q_and_k_norms(tmp_path: Path) -> None:
+    weights = tiny_weights(qk_norm=True)
+    source = load_gguf(write_gguf(tmp_path / "qwen3.gguf", weights, arch="qwen3"))
+    assert source.config.architecture == "Qwen3ForCausalLM"
+    assert source.config.qk_norm and not source.config.qkv_bias
     assert set(source.weights) == set(weights)
     for name, array in weights.items():
         assert torch.equal(source.weights[name], torch.from_numpy(array)), name
