@@ -39,13 +39,12 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may write that carry no model weight: the llama3 rope factors (read into the config)
 # and the rotary inverse frequencies of old conversions.
@@ -284,13 +283,14 @@ def hf_tensor_name(gguf_name: str, where: str) -> str | None:
     if _SKIPPED_TENSORS.fullmatch(gguf_name):
         return None
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    names = _LAYER_TENSORS | _QK_NORM_TENSORS
+    if match is None or match.group(2) not in names:
         raise ModelLoadError(
             f"{where}: unexpected tensor {gguf_name!r}",
             hint="this GGUF holds weights the Llama-family definition has no place for",
         )
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def weights_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, where: str) -> dict[str, Weight]:
@@ -372,7 +372,8 @@ def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
 def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_hidden_layers):
-        expected += [f"model.layers.{layer}.{part}.weight" for part in _LAYER_TENSORS.values()]
+        parts = [*_LAYER_TENSORS.values(), *(_QK_NORM_TENSORS.values() if config.qk_norm else ())]
+        expected += [f"model.layers.{layer}.{part}.weight" for part in parts]
     missing = [name for name in expected if name not in weights]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")

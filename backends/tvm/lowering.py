@@ -18,6 +18,7 @@ model line it came from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,9 +329,9 @@ def _factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[re
 def _rms_norm_call(lw: Lowerer, node: Node, with_residual: bool) -> list[relax.Expr]:
     x_value = node.inputs[0]
     assert x_value is not None
-    if x_value.type.rank != 2:
+    if x_value.type.rank != 2 and (with_residual or x_value.type.rank < 2):
         raise BackendError(f"tvm: {node.op} lowers 2-D [rows, hidden] inputs: {node.describe()}")
-    hidden = int(x_value.type.shape[1])
+    hidden = int(x_value.type.shape[-1])
     dtype = x_value.type.dtype
     eps = float(node.attrs["eps"])
     kernel = lw.kernel(
@@ -341,6 +342,12 @@ def _rms_norm_call(lw: Lowerer, node: Node, with_residual: bool) -> list[relax.E
     )
     args = [lw.value(v) for v in node.inputs]
     outs = [_out_sinfo(lw, node, i) for i in range(len(node.outputs))]
+    if x_value.type.rank > 2:  # per-head norms (Qwen3's q and k): rows x heads rows of head_dim
+        rows = math.prod([lw.dim(d) for d in x_value.type.shape[:-1]])
+        flat = lw.emit(relax.op.reshape(args[0], [rows, hidden]))
+        flat_type = relax.TensorType([rows, hidden], outs[0].dtype)
+        normed = lw.emit(relax.call_tir(kernel, [flat, *args[1:]], flat_type))
+        return [lw.emit(relax.op.reshape(normed, [lw.dim(d) for d in x_value.type.shape]))]
     call = lw.emit(relax.call_tir(kernel, args, outs if with_residual else outs[0]))
     if not with_residual:
         return [call]

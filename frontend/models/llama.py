@@ -69,9 +69,9 @@ class Attention(nn.Module):
         q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(-1, self.num_heads, self.head_dim)
         k = F.linear(x, self.k_proj.weight, self.k_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
         v = F.linear(x, self.v_proj.weight, self.v_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # rows of one head each: a 2-D norm
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # over each head's head_dim values
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q = rope(q, positions, **self.rope_attrs)
         k = rope(k, positions, **self.rope_attrs)
         out = paged_attention(

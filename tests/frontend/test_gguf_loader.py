@@ -431,9 +431,9 @@ def test_types_kiln_does_not_run_are_refused_naming_tensor_type_and_remedy(
 
 
 def test_unexpected_tensor(tmp_path: Path) -> None:
-    extra = {"blk.0.attn_q_norm.weight": np.ones(HEAD_DIM, np.float32)}
-    path = write_gguf(tmp_path / "qk_norm.gguf", tiny_weights(), extra_tensors=extra)
-    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.attn_q_norm\.weight'"):
+    extra = {"blk.0.ssm_conv1d.weight": np.ones(HEAD_DIM, np.float32)}  # a Mamba tensor
+    path = write_gguf(tmp_path / "ssm.gguf", tiny_weights(), extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.ssm_conv1d\.weight'"):
         load_gguf(path)
 
 

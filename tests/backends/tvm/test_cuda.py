@@ -50,6 +50,22 @@ def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other
         cuda.check_cuda_library(library, Target("cuda", other))
 
 
+NEW_FAMILIES = ["qwen3"]  # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_each_family_cross_compiles_for_jetson_orin_and_hopper(
+    kind: str, tmp_path: Path, make_tiny_program
+) -> None:
+    program = make_tiny_program(kind, tmp_path / "hf", opt_level=2)
+    for arch in ("sm_87", "sm_90"):
+        folder = tmp_path / arch
+        cuda.compile_cuda(program, Target("cuda", arch), folder, CompileSettings())
+        lines = cuda.check_cuda_library(folder / cuda.LIBRARY, Target("cuda", arch))
+        assert lines[0].startswith(f"step.so carries a cubin for {arch}"), (kind, lines)
+
+
 @needs_nvcc
 def test_step_json_and_kernel_origins(tiny_builds) -> None:
     folder, code = tiny_builds["sm_90"]
