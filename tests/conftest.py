@@ -149,7 +149,9 @@ def gguf_writers() -> Any:
     return SimpleNamespace(write=write_tokenizer_gguf, sentencepiece_vocab=sentencepiece_vocab)
 
 
-def _check_batch_invariance(executable: Any, tokenizer: Any, model_id: str = "model") -> None:
+def _check_batch_invariance(
+    executable: Any, tokenizer: Any, model_id: str = "model", vocab: int = 49000
+) -> None:
     """16 greedy requests (5 .. 140 prompt tokens, crossing block and chunk boundaries) give the same
     tokens one at a time, all batched with chunked prefill, and in a 24-block cache where preemption
     must happen (both asserted)."""
@@ -161,7 +163,10 @@ def _check_batch_invariance(executable: Any, tokenizer: Any, model_id: str = "mo
     from kiln.runtime.scheduler import SchedulerConfig
 
     generator = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(100, 49000, (5 + 9 * i,), generator=generator).tolist() for i in range(16)]
+    prompts = [
+        torch.randint(min(100, vocab // 2), vocab, (5 + 9 * i,), generator=generator).tolist()
+        for i in range(16)
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def engine(num_blocks: int = 256) -> LLMEngine:

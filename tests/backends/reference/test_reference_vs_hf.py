@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends.reference import ReferenceExecutable
+from kiln.build import runtime_tokenizer
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 
@@ -51,3 +52,13 @@ def test_ragged_batch_matches_transformers(tiny_kind: str, tmp_path: Path, tiny_
     for row, name in enumerate(("a", "b", "c")):
         expected = _hf_last_logits(hf_model, tokens[name])
         assert _relative_error(logits[row], expected) < TOLERANCE, (kind, name)
+
+
+def test_engine_batch_invariance_for_each_family(
+    tiny_kind: str, tmp_path: Path, tiny_hf, check_batch_invariance
+) -> None:
+    tiny_hf(tiny_kind, tmp_path)
+    source = load_model(str(tmp_path))
+    captured = capture_weights(source.config, source.float_weights())
+    executable = ReferenceExecutable(captured.graph, captured.weights)
+    check_batch_invariance(executable, runtime_tokenizer(source), tiny_kind, vocab=source.config.vocab_size)
