@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -50,7 +51,14 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim weights) before rope
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k (head_dim weights) before rope
+    # Gemma 3: "sliding_attention" / "full_attention" a layer (empty: every layer alike, windowed if
+    # sliding_window is set); the sliding layers' rope base; attention scale query_pre_attn_scalar**-0.5;
+    # tanh soft-capping of the logits
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -61,6 +69,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
+        data["layer_types"] = list(self.layer_types)
         return data
 
     @classmethod
@@ -68,6 +77,7 @@ class ModelConfig:
         data = dict(data)
         data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+        data["layer_types"] = tuple(data.get("layer_types") or ())
         return cls(**data)
 
 
@@ -113,6 +123,10 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
         if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             sliding_window = None
         rope_params = raw.get("rope_parameters") or {}
+        local_theta = None
+        if family == "gemma3":  # rope parameters a layer type
+            local_theta = float((rope_params.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+            rope_params = rope_params.get("full_attention") or {}
         rope_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         attention_bias = bool(raw.get("attention_bias", False))
@@ -134,7 +148,11 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
+            layer_types=tuple(raw.get("layer_types") or ()) if family == "gemma3" else (),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if family == "gemma3" else None,
+            final_logit_softcapping=raw.get("final_logit_softcapping") if family == "gemma3" else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from kiln.errors import ModelLoadError
 from kiln.frontend.config import ModelConfig, config_from_hf
+from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
 
 SINGLE_FILE = "model.safetensors"
@@ -29,7 +30,7 @@ def load_hf_dir(path: Path) -> ModelSource:
             f"{path}: not a directory", hint="pass a HF checkpoint directory holding config.json"
         )
     config = _with_generation_eos(read_config(path), path)
-    weights = read_weights(path)
+    weights = adapt_hf_weights(config, read_weights(path))
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
         weights.pop("lm_head.weight", None)

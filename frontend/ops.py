@@ -49,4 +49,23 @@ def paged_attention(
     )
 
 
-WRAPPED_OPS = {rms_norm: "rms_norm", rope: "rope", paged_attention: "paged_attention"}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return get_op("gelu_tanh").reference(x)
+
+
+def scale(x: torch.Tensor, *, factor: float) -> torch.Tensor:
+    return get_op("scale").reference(x, factor=factor)
+
+
+def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
+    return get_op("softcap").reference(x, cap=cap)
+
+
+WRAPPED_OPS = {
+    rms_norm: "rms_norm",
+    rope: "rope",
+    paged_attention: "paged_attention",
+    gelu_tanh: "gelu_tanh",
+    scale: "scale",
+    softcap: "softcap",
+}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +45,50 @@ def silu(ctx: LoweringContext, x: str, outputs: list[str] | int = 1) -> str:
 def _silu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     silu(ctx, _in(ctx, node, 0), outputs)
     return "onnx Sigmoid, Mul"
+
+
+def _in_float32(ctx: LoweringContext, node: Node, compute: Callable[[str], str], outputs: list[str]) -> None:
+    """outputs = compute(input 0 as float32), cast back to the node's dtype."""
+    dtype = _dtype(node)
+    x = _in(ctx, node, 0)
+    result = compute(ctx.b.op("Cast", x, to=ONNX_DTYPES["f32"]) if dtype != "f32" else x)
+    if dtype != "f32":
+        result = ctx.b.op("Cast", result, to=ONNX_DTYPES[dtype])
+    ctx.b.node("Identity", [result], outputs)
+
+
+@rule("gelu_tanh")
+def _gelu_tanh(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    def gelu(x: str) -> str:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        cube = ctx.b.op("Mul", ctx.b.op("Mul", x, x), x)
+        inner = ctx.b.op("Add", x, ctx.b.op("Mul", cube, ctx.b.const(0.044715, np.float32)))
+        root = ctx.b.const(math.sqrt(2.0 / math.pi), np.float32)
+        one_plus = ctx.b.op(
+            "Add", ctx.b.const(1.0, np.float32), ctx.b.op("Tanh", ctx.b.op("Mul", inner, root))
+        )
+        return ctx.b.op("Mul", ctx.b.op("Mul", x, one_plus), ctx.b.const(0.5, np.float32))
+
+    _in_float32(ctx, node, gelu, outputs)
+    return "onnx Mul, Add, Tanh"
+
+
+@rule("scale")
+def _scale(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    factor = float(node.attrs["factor"])
+    _in_float32(ctx, node, lambda x: ctx.b.op("Mul", x, ctx.b.const(factor, np.float32)), outputs)
+    return "onnx Mul"
+
+
+@rule("softcap")
+def _softcap(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    cap = float(node.attrs["cap"])
+
+    def bounded(x: str) -> str:
+        tanh = ctx.b.op("Tanh", ctx.b.op("Div", x, ctx.b.const(cap, np.float32)))
+        return ctx.b.op("Mul", tanh, ctx.b.const(cap, np.float32))
+
+    _in_float32(ctx, node, bounded, outputs)
+    return "onnx Div, Tanh, Mul"
 
 
 @rule("reshape")

@@ -458,6 +458,26 @@ def _silu(lw: Lowerer, node: Node) -> list[relax.Expr]:
     return [lw.emit(relax.op.nn.silu(lw.value(node.inputs[0])))]
 
 
+@lowering("gelu_tanh")
+def _gelu_tanh(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    return [lw.emit(relax.op.nn.gelu_tanh(lw.value(node.inputs[0])))]
+
+
+@lowering("scale")
+def _scale(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    dtype = _DTYPES[node.outputs[0].type.dtype]
+    factor = relax.const(float(node.attrs["factor"]), dtype)
+    return [lw.emit(relax.op.multiply(lw.value(node.inputs[0]), factor))]
+
+
+@lowering("softcap")
+def _softcap(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    dtype = _DTYPES[node.outputs[0].type.dtype]
+    cap = float(node.attrs["cap"])
+    bounded = relax.op.tanh(relax.op.divide(lw.value(node.inputs[0]), relax.const(cap, dtype)))
+    return [lw.emit(relax.op.multiply(bounded, relax.const(cap, dtype)))]
+
+
 @lowering("swiglu")
 def _swiglu(lw: Lowerer, node: Node) -> list[relax.Expr]:
     gate = lw.value(node.inputs[0])

@@ -41,6 +41,35 @@ register(OpDef("mul", (2, 2), {}, _infer_binary, lambda a, b: a * b, doc="a * b,
 register(OpDef("silu", (1, 1), {}, _infer_same, lambda x: F.silu(x), doc="x * sigmoid(x)"))
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def scale(x: torch.Tensor, *, factor: float) -> torch.Tensor:
+    """x times `factor` rounded to x's dtype first (as Gemma scales its embeddings)."""
+    return x * torch.tensor(factor, dtype=x.dtype)
+
+
+def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+register(
+    OpDef("gelu_tanh", (1, 1), {}, _infer_same, gelu_tanh, doc="GELU, tanh approximation (Gemma's GeGLU)")
+)
+register(OpDef("scale", (1, 1), {"factor": "the constant multiplier"}, _infer_same, scale, doc="x * factor"))
+register(
+    OpDef(
+        "softcap",
+        (1, 1),
+        {"cap": "the bound: outputs lie in (-cap, cap)"},
+        _infer_same,
+        softcap,
+        doc="tanh(x / cap) * cap (Gemma's final-logit soft-capping)",
+    )
+)
+
+
 def resolve_reshape(src: Shape, target: Sequence[Dim]) -> Shape:
     """The reshape of `src` to `target` where one target dim may be -1 (inferred, possibly symbolic)."""
     require(

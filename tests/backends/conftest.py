@@ -52,6 +52,18 @@ TINY_MODELS = {
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    "gemma3": (  # a window shorter than the prompts, soft-capping on, its own attention scale
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 # The ragged batch: step 1 prefills a[:20] and c[:10]; step 2 decodes a, prefills b from scratch and

@@ -1,0 +1,174 @@
+"""Gemma 3 (text) in plain torch.nn: embeddings scaled by sqrt(hidden), RMSNorm with (1 + w), norms
+before and after attention and the MLP, RMSNorm on each head's q and k, GeGLU (gelu-tanh), sliding-window
+and full-attention layers with their own rope bases, attention scale query_pre_attn_scalar**-0.5, and
+tanh soft-capping of the logits where the config has it.
+
+Parameter names follow Hugging Face's. The norm weights hold 1 + w (as GGUF files store them); HF
+checkpoints store w, and `from_hf_weights` adds the 1 at load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.models.llama import RMSNorm
+from kiln.frontend.ops import gelu_tanh, paged_attention, rope, scale, softcap
+
+SLIDING = "sliding_attention"
+
+
+def from_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Gemma norms compute x * (1 + w): store 1 + w (float32, as HF adds it) so RMSNorm multiplies."""
+    return {
+        name: (1.0 + tensor.float()).to(tensor.dtype) if name.endswith("norm.weight") else tensor
+        for name, tensor in weights.items()
+    }
+
+
+def is_sliding(config: ModelConfig, layer: int) -> bool:
+    if config.layer_types:
+        return config.layer_types[layer] == SLIDING
+    return config.sliding_window is not None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        sliding = is_sliding(config, layer)
+        self.sliding_window = config.sliding_window if sliding else None
+        theta = config.rope_local_theta if sliding and config.rope_local_theta else config.rope_theta
+        self.rope_attrs: dict[str, float | str] = {"theta": theta}
+        scaling = config.rope_scaling
+        if not sliding and scaling.rope_type == "linear":
+            self.rope_attrs |= {"rope_type": "linear", "factor": scaling.factor}
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        q = F.linear(x, self.q_proj.weight).view(-1, self.num_heads, self.head_dim)
+        k = F.linear(x, self.k_proj.weight).view(-1, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, self.v_proj.weight).view(-1, self.num_kv_heads, self.head_dim)
+        q = rope(self.q_norm(q), positions, **self.rope_attrs)
+        k = rope(self.k_norm(k), positions, **self.rope_attrs)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            layer=self.layer,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return F.linear(out.view(-1, self.num_heads * self.head_dim), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = gelu_tanh(F.linear(x, self.gate_proj.weight))
+        return F.linear(gate * F.linear(x, self.up_proj.weight), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(config)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        attn = self.self_attn(
+            self.input_layernorm(h),
+            positions,
+            kv_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+        )
+        h = h + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = scale(F.embedding(token_ids, self.model.embed_tokens.weight), factor=self.config.hidden_size**0.5)
+        for layer in self.model.layers:
+            h = layer(h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
+        h = self.model.norm(h)
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = torch.index_select(F.linear(h, head), 0, logits_indices)
+        if self.config.final_logit_softcapping:
+            logits = softcap(logits, cap=self.config.final_logit_softcapping)
+        return logits
