@@ -24,7 +24,12 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# llama.cpp's Gemma 3 conventions its GGUF files do not state: every 6th layer full attention, the
+# others sliding with rope base 10,000; attention scale head_dim**-0.5 (all but the 27B)
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # kept as blocks (imported by `--quantization gguf`, dequantized with `gguf` for capture)
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
 
@@ -39,12 +44,26 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3
+_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3, Gemma 3
+# the norms around the MLP: Llama's one, Gemma's four (their weights are 1 + w in the file already)
+_NORM_TENSORS = {
+    "default": {"ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+
+
+def _layer_names(family: str, qk_norm: bool) -> dict[str, str]:
+    """GGUF layer tensor part → HF module path, for a family."""
+    norms = _NORM_TENSORS.get(family, _NORM_TENSORS["default"])
+    return _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may write that carry no model weight: the llama3 rope factors (read into the config)
 # and the rotary inverse frequencies of old conversions.
@@ -188,9 +207,23 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         o_bias=has(".attn_output.bias"),
         mlp_bias=has(".ffn_up.bias"),
         qk_norm=has(".attn_q_norm.weight"),
+        **(_gemma3_fields(reader, arch, int(key("block_count")), head_dim) if family == "gemma3" else {}),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_token_ids(reader),
     )
+
+
+def _gemma3_fields(reader: gguf.GGUFReader, arch: str, layers: int, head_dim: int) -> dict[str, Any]:
+    pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    return {
+        "layer_types": tuple(
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ),
+        "rope_local_theta": GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": float(head_dim),
+        "final_logit_softcapping": float(softcap) if softcap else None,
+    }
 
 
 def _vocab_size(reader: gguf.GGUFReader, arch: str, where: str) -> int:
@@ -276,14 +309,14 @@ def _llama3_rope_factors(scaling: RopeScaling, head_dim: int, theta: float) -> n
     return np.asarray(factors, np.float32)
 
 
-def hf_tensor_name(gguf_name: str, where: str) -> str | None:
+def hf_tensor_name(gguf_name: str, config: ModelConfig, where: str) -> str | None:
     """The HF name of a GGUF tensor, or None for tensors that carry no weight."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if _SKIPPED_TENSORS.fullmatch(gguf_name):
         return None
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    names = _LAYER_TENSORS | _QK_NORM_TENSORS
+    names = _layer_names(config.family, config.qk_norm)
     if match is None or match.group(2) not in names:
         raise ModelLoadError(
             f"{where}: unexpected tensor {gguf_name!r}",
@@ -298,7 +331,7 @@ def weights_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, where: str) 
     permuted = str(_field(reader, "general.architecture")) == "llama"
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, where)
+        name = hf_tensor_name(tensor.name, config, where)
         if name is None:
             continue
         weight = _tensor(tensor, where)
@@ -372,7 +405,7 @@ def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
 def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_hidden_layers):
-        parts = [*_LAYER_TENSORS.values(), *(_QK_NORM_TENSORS.values() if config.qk_norm else ())]
+        parts = _layer_names(config.family, config.qk_norm).values()
         expected += [f"model.layers.{layer}.{part}.weight" for part in parts]
     missing = [name for name in expected if name not in weights]
     if missing:

