@@ -64,6 +64,8 @@ def _layer_names(family: str, qk_norm: bool) -> dict[str, str]:
     """GGUF layer tensor part → HF module path, for a family."""
     norms = _NORM_TENSORS.get(family, _NORM_TENSORS["default"])
     return _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
+
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may write that carry no model weight: the llama3 rope factors (read into the config)
 # and the rotary inverse frequencies of old conversions.
