@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -129,6 +130,12 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
             rope_params = rope_params.get("full_attention") or {}
         rope_raw = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rotary = float(raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
+        if rotary != 1.0:
+            raise ModelLoadError(
+                f"{where}: partial rotary embeddings (partial_rotary_factor {rotary}) are not supported",
+                hint="Kiln rotates every dimension of a head (Phi-3; not yet Phi-4-mini's 0.75)",
+            )
         attention_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             architecture=architecture,

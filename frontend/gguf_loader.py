@@ -17,6 +17,7 @@ import torch
 
 from kiln.errors import ModelLoadError, UnsupportedArchitectureError
 from kiln.frontend.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from kiln.frontend.models import adapt_gguf_weights
 from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
 
 # GGUF `general.architecture` → HF architecture.
@@ -25,6 +26,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # llama.cpp's Gemma 3 conventions its GGUF files do not state: every 6th layer full attention, the
 # others sliding with rope base 10,000; attention scale head_dim**-0.5 (all but the 27B)
@@ -60,10 +62,20 @@ _NORM_TENSORS = {
 }
 
 
+# Phi-3 keeps q/k/v in one tensor and gate/up in another (split after loading: frontend/models/phi3.py)
+_FUSED_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_FUSED_AWAY = ("attn_q", "attn_k", "attn_v", "ffn_gate")
+
+
 def _layer_names(family: str, qk_norm: bool) -> dict[str, str]:
     """GGUF layer tensor part → HF module path, for a family."""
     norms = _NORM_TENSORS.get(family, _NORM_TENSORS["default"])
-    return _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
+    names = _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
+    if family in _FUSED_TENSORS:
+        names = {part: path for part, path in names.items() if part not in _FUSED_AWAY} | _FUSED_TENSORS[
+            family
+        ]
+    return names
 
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -80,7 +92,7 @@ def load_gguf(path: Path) -> ModelSource:
     where = str(path)
     reader = open_gguf(path)
     config = config_from_gguf(reader, where)
-    weights = weights_from_gguf(reader, config, where)
+    weights = adapt_gguf_weights(config, weights_from_gguf(reader, config, where))
     name = _field(reader, "general.name") or path.stem
     return ModelSource(
         name=str(name),
@@ -188,6 +200,11 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         return any(name.endswith(suffix) for name in tensor_names)
 
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if has("rope_factors_long.weight") or has("rope_factors_short.weight"):
+        raise ModelLoadError(
+            f"{where}: longrope (rope_factors_long / rope_factors_short) is not supported yet",
+            hint="use a model without long-context rope scaling (Phi-3-mini-4k, not -128k)",
+        )
     sliding_window = optional("attention.sliding_window")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from kiln.frontend.config import ModelConfig, check_architecture
-from kiln.frontend.models import gemma3
+from kiln.frontend.models import gemma3, phi3
 from kiln.frontend.models.llama import LlamaForCausalLM
 
 _FAMILIES: dict[str, type[nn.Module]] = {
@@ -17,10 +17,13 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3": gemma3.Gemma3ForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
-# HF checkpoints whose weights differ from the definition's (Gemma's norms store w for 1 + w)
-_HF_WEIGHT_ADAPTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "gemma3": gemma3.from_hf_weights
+# HF checkpoints whose weights differ from the definition's: Gemma's norms store w for 1 + w, Phi-3
+# fuses q/k/v and gate/up
+_HF_WEIGHT_ADAPTERS: dict[str, Callable[[ModelConfig, dict[str, Any]], dict[str, Any]]] = {
+    "gemma3": gemma3.from_hf_weights,
+    "phi3": phi3.split_fused_weights,
 }
 
 
@@ -31,4 +34,9 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 def adapt_hf_weights(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
     adapter = _HF_WEIGHT_ADAPTERS.get(config.family)
-    return weights if adapter is None else adapter(weights)
+    return weights if adapter is None else adapter(config, weights)
+
+
+def adapt_gguf_weights(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
+    """GGUF files store Gemma's norms as 1 + w already; only Phi-3's fused weights need splitting."""
+    return phi3.split_fused_weights(config, weights) if config.family == "phi3" else weights

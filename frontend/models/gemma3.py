@@ -20,7 +20,7 @@ from kiln.frontend.ops import gelu_tanh, paged_attention, rope, scale, softcap
 SLIDING = "sliding_attention"
 
 
-def from_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF Gemma norms compute x * (1 + w): store 1 + w (float32, as HF adds it) so RMSNorm multiplies."""
     return {
         name: (1.0 + tensor.float()).to(tensor.dtype) if name.endswith("norm.weight") else tensor

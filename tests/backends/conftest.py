@@ -52,6 +52,7 @@ TINY_MODELS = {
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
     "gemma3": (  # a window shorter than the prompts, soft-capping on, its own attention scale
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,

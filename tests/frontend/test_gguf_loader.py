@@ -138,6 +138,8 @@ _LAYER_PARTS = {
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
@@ -318,6 +320,45 @@ def test_qwen3_has_per_head_q_and_k_norms(tmp_path: Path) -> None:
     assert set(source.weights) == set(weights)
     for name, array in weights.items():
         assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+
+
+def _fused_phi3(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    fused = {}
+    for name, array in weights.items():
+        if ".q_proj." in name:
+            parts = [weights[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            fused[name.replace("q_proj", "qkv_proj")] = np.concatenate(parts)
+        elif ".gate_proj." in name:
+            fused[name.replace("gate_proj", "gate_up_proj")] = np.concatenate(
+                [array, weights[name.replace("gate", "up")]]
+            )
+        elif not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+            fused[name] = array
+    return fused
+
+
+@pytest.mark.parametrize("ggml_type", ["F32", "Q8_0"])
+def test_phi3_fused_weights_are_split(tmp_path: Path, ggml_type: str) -> None:
+    weights = tiny_weights()
+    source = load_gguf(
+        write_gguf(tmp_path / "phi3.gguf", _fused_phi3(weights), arch="phi3", ggml_type=ggml_type)
+    )
+    assert source.config.architecture == "Phi3ForCausalLM"
+    assert set(source.weights) == set(weights)
+    reference = load_gguf(write_gguf(tmp_path / "llama.gguf", weights, arch="qwen2", ggml_type=ggml_type))
+    for name in weights:
+        ours, theirs = source.weights[name], reference.weights[name]
+        if isinstance(theirs, torch.Tensor):
+            assert torch.equal(ours, theirs), name
+        else:
+            assert ours.shape == theirs.shape and np.array_equal(ours.blocks, theirs.blocks), name
+
+
+def test_longrope_is_refused(tmp_path: Path) -> None:
+    factors = {"rope_factors_long.weight": np.ones(HEAD_DIM // 2, np.float32)}
+    path = write_gguf(tmp_path / "phi3.gguf", _fused_phi3(tiny_weights()), arch="phi3", extra_tensors=factors)
+    with pytest.raises(ModelLoadError, match="longrope"):
+        load_gguf(path)
 
 
 def test_llama_bias_is_unpermuted(tmp_path: Path) -> None:
