@@ -50,7 +50,8 @@ def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other
         cuda.check_cuda_library(library, Target("cuda", other))
 
 
-NEW_FAMILIES = ["qwen3", "gemma3"]  # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
+# the tiny transformers models (tests/backends/conftest.py) beyond Llama's
+NEW_FAMILIES = ["qwen3", "gemma3", "phi3"]
 
 
 @needs_nvcc
