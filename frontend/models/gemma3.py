@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.models.llama import RMSNorm
-from kiln.frontend.ops import gelu_tanh, paged_attention, rope, scale, softcap
+from kiln.frontend.models.llama import LlamaForCausalLM, RMSNorm
+from kiln.frontend.ops import gelu_tanh, paged_attention, rope
 
 SLIDING = "sliding_attention"
 
@@ -136,39 +136,6 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        h = scale(F.embedding(token_ids, self.model.embed_tokens.weight), factor=self.config.hidden_size**0.5)
-        for layer in self.model.layers:
-            h = layer(h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-        h = self.model.norm(h)
-        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = torch.index_select(F.linear(h, head), 0, logits_indices)
-        if self.config.final_logit_softcapping:
-            logits = softcap(logits, cap=self.config.final_logit_softcapping)
-        return logits
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    layer_class = DecoderLayer
+    scales_embeddings = True

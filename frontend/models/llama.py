@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.ops import paged_attention, rms_norm, rope
+from kiln.frontend.ops import paged_attention, rms_norm, rope, scale, softcap
 
 
 class RMSNorm(nn.Module):
@@ -137,18 +137,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_class: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    """The step over the decoder layers. A family that differs in its layers subclasses this with its
+    own `layer_class` (gemma3.py); the embedding scale and the logits' soft-capping are Gemma's."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    scales_embeddings = False  # by sqrt(hidden)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.layer_class)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -164,9 +170,14 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = F.embedding(token_ids, self.model.embed_tokens.weight)
+        if self.scales_embeddings:
+            h = scale(h, factor=self.config.hidden_size**0.5)
         for layer in self.model.layers:
             h = layer(h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
         h = self.model.norm(h)
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(h, head)
-        return torch.index_select(logits, 0, logits_indices)
+        logits = torch.index_select(logits, 0, logits_indices)
+        if self.config.final_logit_softcapping:  # after the rows are taken: fewer values to cap
+            logits = softcap(logits, cap=self.config.final_logit_softcapping)
+        return logits
