@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SLIDING_LAYER = "sliding_attention"  # HF `layer_types`
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,15 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_local(self, layer: int) -> bool:
+        """A sliding-window layer among full ones (Gemma 3): its own rope base, no rope scaling."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING_LAYER
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        if self.layer_types and not self.is_local(layer):
+            return None
+        return self.sliding_window
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

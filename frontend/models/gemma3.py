@@ -14,10 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.models.llama import LlamaForCausalLM, RMSNorm
-from kiln.frontend.ops import gelu_tanh, paged_attention, rope
-
-SLIDING = "sliding_attention"
+from kiln.frontend.models.llama import Attention, LlamaForCausalLM, RMSNorm
+from kiln.frontend.ops import gelu_tanh
 
 
 def from_hf_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -26,67 +24,6 @@ def from_hf_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
         name: (1.0 + tensor.float()).to(tensor.dtype) if name.endswith("norm.weight") else tensor
         for name, tensor in weights.items()
     }
-
-
-def is_sliding(config: ModelConfig, layer: int) -> bool:
-    if config.layer_types:
-        return config.layer_types[layer] == SLIDING
-    return config.sliding_window is not None
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        sliding = is_sliding(config, layer)
-        self.sliding_window = config.sliding_window if sliding else None
-        theta = config.rope_local_theta if sliding and config.rope_local_theta else config.rope_theta
-        self.rope_attrs: dict[str, float | str] = {"theta": theta}
-        scaling = config.rope_scaling
-        if not sliding and scaling.rope_type == "linear":
-            self.rope_attrs |= {"rope_type": "linear", "factor": scaling.factor}
-        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, hidden, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-    ) -> torch.Tensor:
-        q = F.linear(x, self.q_proj.weight).view(-1, self.num_heads, self.head_dim)
-        k = F.linear(x, self.k_proj.weight).view(-1, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, self.v_proj.weight).view(-1, self.num_kv_heads, self.head_dim)
-        q = rope(self.q_norm(q), positions, **self.rope_attrs)
-        k = rope(self.k_norm(k), positions, **self.rope_attrs)
-        out = paged_attention(
-            q,
-            k,
-            v,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            layer=self.layer,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-        )
-        return F.linear(out.view(-1, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
 class MLP(nn.Module):

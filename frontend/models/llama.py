@@ -1,5 +1,5 @@
 """The Llama family in plain torch.nn: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (QKV bias),
-Qwen3 (RMSNorm on each head's q and k before rope).
+Qwen3 (RMSNorm on each head's q and k before rope); its attention serves Gemma 3 too (gemma3.py).
 
 Parameter names follow Hugging Face's, so HF state dicts load as they are. `forward` is the DESIGN.md
 step: a ragged batch of sequences over the paged KV cache, returning logits for `logits_indices`.
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.frontend.config import ModelConfig
+from kiln.frontend.config import ModelConfig, RopeScaling
 from kiln.frontend.ops import paged_attention, rms_norm, rope, scale, softcap
 
 
@@ -25,6 +25,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, eps=self.eps)
 
 
+def _rope_scaling_attrs(scaling: RopeScaling) -> dict[str, float | str]:
+    if scaling.rope_type == "default":
+        return {}
+    attrs: dict[str, float | str] = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+    if scaling.rope_type == "llama3":
+        attrs |= {
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+    return attrs
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -32,18 +45,11 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
-        scaling = config.rope_scaling
-        self.rope_attrs = {"theta": config.rope_theta}
-        if scaling.rope_type != "default":
-            self.rope_attrs |= {"rope_type": scaling.rope_type, "factor": scaling.factor}
-        if scaling.rope_type == "llama3":
-            self.rope_attrs |= {
-                "low_freq_factor": scaling.low_freq_factor,
-                "high_freq_factor": scaling.high_freq_factor,
-                "original_max_position_embeddings": scaling.original_max_position_embeddings,
-            }
+        self.scale = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.sliding_window = config.sliding_window_of(layer)
+        local = config.is_local(layer)  # Gemma's sliding layers: their own rope base, unscaled
+        theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+        self.rope_attrs = {"theta": theta} | ({} if local else _rope_scaling_attrs(config.rope_scaling))
         hidden, q_size, kv_size = (
             config.hidden_size,
             self.num_heads * self.head_dim,
