@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SLIDING_LAYER = "sliding_attention"  # HF `layer_types`
@@ -61,6 +64,16 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    qk_norm_whole: bool = False  # OLMoE: the q and k norms span all heads' values, not each head's
+    # mixture of experts (num_experts > 0): a layer's MLP is `num_experts_per_tok` of the experts, each
+    # a SwiGLU of `moe_intermediate_size` (default intermediate_size), except in `mlp_only_layers` and
+    # in layers off every `decoder_sparse_step`th (Qwen3-MoE), which keep a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -77,10 +90,22 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def is_moe(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
         data["layer_types"] = list(self.layer_types)
+        data["mlp_only_layers"] = list(self.mlp_only_layers)
         return data
 
     @classmethod
@@ -89,6 +114,7 @@ class ModelConfig:
         data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["layer_types"] = tuple(data.get("layer_types") or ())
+        data["mlp_only_layers"] = tuple(data.get("mlp_only_layers") or ())
         return cls(**data)
 
 
@@ -131,7 +157,7 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family = SUPPORTED_ARCHITECTURES[architecture]
         sliding_window = raw.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
             sliding_window = None
         rope_params = raw.get("rope_parameters") or {}
         local_theta = None
@@ -147,6 +173,11 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
                 hint="Kiln rotates every dimension of a head (Phi-3; not yet Phi-4-mini's 0.75)",
             )
         attention_bias = bool(raw.get("attention_bias", False))
+        if raw.get("clip_qkv") is not None:
+            raise ModelLoadError(
+                f"{where}: clip_qkv {raw['clip_qkv']} is not supported",
+                hint="Kiln does not clamp q, k and v; OLMoE releases leave clip_qkv null",
+            )
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
@@ -165,11 +196,13 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_whole=family == "olmoe",
             layer_types=tuple(raw.get("layer_types") or ()) if family == "gemma3" else (),
             rope_local_theta=local_theta,
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if family == "gemma3" else None,
             final_logit_softcapping=raw.get("final_logit_softcapping") if family == "gemma3" else None,
+            **_moe_fields(raw, family),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -177,3 +210,16 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
         raise ModelLoadError(
             f"{where}: config has no {missing.args[0]!r}", hint="is this a Llama-family config.json?"
         ) from None
+
+
+def _moe_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    if family not in ("mixtral", "qwen3_moe", "olmoe"):
+        return {}
+    return {
+        "num_experts": int(raw.get("num_local_experts") or raw["num_experts"]),
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": raw.get("moe_intermediate_size"),
+        "norm_topk_prob": family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(layer) for layer in raw.get("mlp_only_layers") or ()),
+    }

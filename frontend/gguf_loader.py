@@ -27,7 +27,11 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# llama.cpp renormalises the top-k router weights for these (Mixtral is "llama" with experts)
+GGUF_NORMALIZED_ROUTERS = ("llama", "qwen3moe")
 # llama.cpp's Gemma 3 conventions its GGUF files do not state: every 6th layer full attention, the
 # others sliding with rope base 10,000; attention scale head_dim**-0.5 (all but the 27B)
 GEMMA3_SLIDING_PATTERN = 6
@@ -62,15 +66,27 @@ _NORM_TENSORS = {
 }
 
 
+# a mixture-of-experts layer: the router and the stacked experts in place of the MLP
+_MOE_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+
+
 # Phi-3 keeps q/k/v in one tensor and gate/up in another (split after loading: frontend/models/phi3.py)
 _FUSED_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _FUSED_AWAY = ("attn_q", "attn_k", "attn_v", "ffn_gate")
 
 
-def _layer_names(family: str, qk_norm: bool) -> dict[str, str]:
-    """GGUF layer tensor part → HF module path, for a family."""
+def _layer_names(family: str, qk_norm: bool, moe: bool = False) -> dict[str, str]:
+    """GGUF layer tensor part → HF module path, for a family (`moe`: a mixture-of-experts layer)."""
     norms = _NORM_TENSORS.get(family, _NORM_TENSORS["default"])
     names = _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
+    if moe:
+        names = {part: path for part, path in names.items() if part not in _DENSE_MLP} | _MOE_TENSORS
     if family in _FUSED_TENSORS:
         names = {part: path for part, path in names.items() if part not in _FUSED_AWAY} | _FUSED_TENSORS[
             family
@@ -172,6 +188,8 @@ def hf_architecture(reader: gguf.GGUFReader, where: str) -> str:
             hint=f"supported GGUF architectures: {supported}",
         )
     name = str(_field(reader, "general.name") or "")
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        return "MixtralForCausalLM"
     if arch == "llama" and "mistral" in name.lower():
         return "MistralForCausalLM"
     return GGUF_ARCHITECTURES[arch]
@@ -226,6 +244,8 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         o_bias=has(".attn_output.bias"),
         mlp_bias=has(".ffn_up.bias"),
         qk_norm=has(".attn_q_norm.weight"),
+        qk_norm_whole=family == "olmoe",
+        **_moe_fields(reader, arch, where),
         **(_gemma3_fields(reader, arch, int(key("block_count")), head_dim) if family == "gemma3" else {}),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_token_ids(reader),
@@ -242,6 +262,20 @@ def _gemma3_fields(reader: gguf.GGUFReader, arch: str, layers: int, head_dim: in
         "rope_local_theta": GEMMA3_LOCAL_ROPE_BASE,
         "query_pre_attn_scalar": float(head_dim),
         "final_logit_softcapping": float(softcap) if softcap else None,
+    }
+
+
+def _moe_fields(reader: gguf.GGUFReader, arch: str, where: str) -> dict[str, Any]:
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        return {}
+    normalize = _field(reader, f"{arch}.expert_weights_norm")
+    inner = _field(reader, f"{arch}.expert_feed_forward_length")
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(_require(reader, f"{arch}.expert_used_count", where)),
+        "moe_intermediate_size": int(inner) if inner else None,
+        "norm_topk_prob": bool(normalize) if normalize is not None else arch in GGUF_NORMALIZED_ROUTERS,
     }
 
 
@@ -335,7 +369,7 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig, where: str) -> str | Non
     if _SKIPPED_TENSORS.fullmatch(gguf_name):
         return None
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    names = _layer_names(config.family, config.qk_norm)
+    names = _layer_names(config.family, config.qk_norm, match is not None and config.is_moe(int(match[1])))
     if match is None or match.group(2) not in names:
         raise ModelLoadError(
             f"{where}: unexpected tensor {gguf_name!r}",
@@ -424,7 +458,7 @@ def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
 def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_hidden_layers):
-        parts = _layer_names(config.family, config.qk_norm).values()
+        parts = _layer_names(config.family, config.qk_norm, config.is_moe(layer)).values()
         expected += [f"model.layers.{layer}.{part}.weight" for part in parts]
     missing = [name for name in expected if name not in weights]
     if missing:

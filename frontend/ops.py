@@ -61,6 +61,19 @@ def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
     return get_op("softcap").reference(x, cap=cap)
 
 
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    top_k: int,
+    normalize: bool,
+) -> torch.Tensor:
+    return get_op("moe").reference(x, router_logits, gate, up, down, top_k=top_k, normalize=normalize)
+
+
 WRAPPED_OPS = {
     rms_norm: "rms_norm",
     rope: "rope",
@@ -68,4 +81,5 @@ WRAPPED_OPS = {
     gelu_tanh: "gelu_tanh",
     scale: "scale",
     softcap: "softcap",
+    moe: "moe",
 }

@@ -17,6 +17,7 @@ from kiln.ir import DTYPES
 from kiln.ir.ops.quant import dequantize, pack_int4, unpack_int4
 
 # kind → what the tensor is: the param itself, or a MatMulNBits operand, or the dequantized float weight
+# (or stacked experts)
 KINDS = ("param", "nbits_qweight", "nbits_scales", "nbits_zeros", "nbits_mins", "dequantized")
 
 
@@ -92,6 +93,15 @@ def _mins(binding: WeightBinding, scales: torch.Tensor, zeros: torch.Tensor) -> 
     return -scales.to(torch.float32) * zeros.to(torch.float32)
 
 
+def _dequantized(tensors: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """The float weight [N, K], or stacked experts [E, N, K] dequantized as the [E * N, K] rows they are."""
+    qweight = tensors[0]
+    rows = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    layout = {key: attrs[key] for key in ("bits", "group_size", "scheme", "packing")}
+    weight = dequantize(rows[0], rows[1], rows[2] if len(rows) > 2 else None, **layout)
+    return weight.reshape(*qweight.shape[:-1], -1)
+
+
 def materialize(binding: WeightBinding, weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tensor bound to `binding.name`, computed from the artifact's weights."""
     missing = [name for name in binding.sources if name not in weights]
@@ -102,9 +112,7 @@ def materialize(binding: WeightBinding, weights: dict[str, torch.Tensor]) -> tor
     if binding.kind == "param":
         result = tensors[0]
     elif binding.kind == "dequantized":
-        qweight, scales, *rest = tensors
-        layout = {key: attrs[key] for key in ("bits", "group_size", "scheme", "packing")}
-        result = dequantize(qweight, scales, rest[0] if rest else None, **layout)
+        result = _dequantized(tensors, attrs)
     elif binding.kind == "nbits_qweight":
         values = _values(tensors[0], attrs["bits"], attrs["packing"])
         packed = pack_int4(values, "pairs") if attrs["bits"] == 4 else values

@@ -109,9 +109,12 @@ def factored(scales: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Stacked experts [E, N, X] take a layout as the [E * N, X] rows they are: E experts' strips."""
     kind, *args = transform.split(":")
     if kind == "none":
         return tensor
+    if tensor.dim() > 2:
+        tensor = tensor.reshape(-1, tensor.shape[-1])
     if kind == "tiled":
         return tiled(tensor, int(args[0]))
     if kind == "int4_tiled":

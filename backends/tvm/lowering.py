@@ -169,7 +169,7 @@ def _out_sinfo(lw: Lowerer, node: Node, index: int = 0) -> relax.TensorType:
 ROW_COUNTS = "row_counts"  # int64[2]: the real token rows and logits rows (the rest is padding)
 
 
-def _rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
+def rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
     """x[..., last] viewed as [q, 4, last]: the row count must be a padded one (T or L based)."""
     leading = node.inputs[0].type.shape[:-1] if node.inputs[0] is not None else ()
     if len(leading) != 1 or leading[0] not in ("T", "L"):
@@ -188,7 +188,7 @@ def _linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     n, k = (int(d) for d in weight_value.type.shape)
     dtype = weight_value.type.dtype
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
-    x3, blocks = _rows_of(lw, node, lw.value(node.inputs[0]), k)
+    x3, blocks = rows_of(lw, node, lw.value(node.inputs[0]), k)
     tile = linear_kernels.column_tile(n)
     weight = lw.param(weight_value, tiled_transform(tile), (n // tile, k, tile))
     args = [x3, weight] + ([lw.value(node.inputs[2])] if has_bias else [])
@@ -219,7 +219,7 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     if dtype != "f32":
         raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
     spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
-    x3, blocks = _rows_of(lw, node, lw.value(x_value), k)
+    x3, blocks = rows_of(lw, node, lw.value(x_value), k)
     leading = x_value.type.shape[0]
     which = relax.prim_value(tirx.IntImm("int64", 1 if leading == "L" else 0))
     isa = lw.int_dot
@@ -247,10 +247,10 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
         if dot_tile is not None and isa is not None:
             plane = int_dot.weight_plane(spec, node.attrs.get("value_bits"))
             assert plane is not None
-            weight_args = _dot_weights(lw, qweight, int(bits), str(packing), dot_tile, plane)
+            weight_args = dot_weights(lw, qweight, int(bits), str(packing), dot_tile, plane)
             if per:
-                scale_args = _factored_scales(lw, scales, tile, per)
-                zero_args = _factored_scales(lw, zeros, tile, per) if zeros is not None else scale_args
+                scale_args = factored_scales(lw, scales, tile, per)
+                zero_args = factored_scales(lw, zeros, tile, per) if zeros is not None else scale_args
                 tail = [*scale_args, *zero_args, *last]
             else:
                 zero_arg = scale_param if zero_param is None else zero_param
@@ -294,11 +294,13 @@ def _strip_weights(lw: Lowerer, qweight: Value, bits: int, packing: str, tile: i
     return lw.param(qweight, tiled_transform(tile), (n // tile, packed_k, tile))
 
 
-def _dot_weights(
+def dot_weights(
     lw: Lowerer, qweight: Value, bits: int, packing: str, tile: int, plane: int_dot.Plane
 ) -> list[relax.Expr]:
-    """The integer-dot kernel's weight planes (layouts.py `dot_tiled`, `dot_high`): main, high."""
-    n, k = int(qweight.type.shape[0]), int(qweight.type.shape[1]) * (2 if bits == 4 else 1)
+    """The integer-dot kernel's weight planes (layouts.py `dot_tiled`, `dot_high`): main, high.
+    Stacked experts [E, N, K'] are E * N rows."""
+    n = math.prod(int(d) for d in qweight.type.shape[:-1])
+    k = int(qweight.type.shape[-1]) * (2 if bits == 4 else 1)
     rows = k // (8 if plane.nibbles else 4)
     dtype = "u8" if plane.nibbles else "i8"
     main = lw.param(
@@ -318,9 +320,9 @@ def _dot_weights(
     return [main, high]
 
 
-def _factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[relax.Expr]:
+def factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[relax.Expr]:
     """Scales (or mins) as [int8 a group, float32 a run of `per` groups] (layouts.py `factored_*`)."""
-    n, groups = int(scales.type.shape[0]), int(scales.type.shape[1])
+    n, groups = math.prod(int(d) for d in scales.type.shape[:-1]), int(scales.type.shape[-1])
     sub = lw.param(scales, factored_transform("sub", tile, per), (n // tile, groups, tile), "i8")
     above = lw.param(scales, factored_transform("super", tile, per), (n // tile, groups // per, tile), "f32")
     return [sub, above]
@@ -614,3 +616,6 @@ def lower_graph(
             raise BackendError("tvm: `decode` and `step` lowered to different weight parameters")
         functions.append("decode")
     return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins, functions)
+
+
+from kiln.backends.tvm import moe_lowering  # noqa: E402, F401  (registers the moe lowerings)

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from kiln.frontend.config import ModelConfig, check_architecture
-from kiln.frontend.models import gemma3, phi3
+from kiln.frontend.models import gemma3, moe, phi3
 from kiln.frontend.models.llama import LlamaForCausalLM
 
 _FAMILIES: dict[str, type[nn.Module]] = {
@@ -18,12 +18,18 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "gemma3": gemma3.Gemma3ForCausalLM,
     "phi3": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "olmoe": LlamaForCausalLM,
 }
 # HF checkpoints whose weights differ from the definition's: Gemma's norms store w for 1 + w, Phi-3
-# fuses q/k/v and gate/up
+# fuses q/k/v and gate/up, mixture-of-experts models store each expert apart
 _HF_WEIGHT_ADAPTERS: dict[str, Callable[[ModelConfig, dict[str, Any]], dict[str, Any]]] = {
     "gemma3": gemma3.from_hf_weights,
     "phi3": phi3.split_fused_weights,
+    "mixtral": moe.stack_experts,
+    "qwen3_moe": moe.stack_experts,
+    "olmoe": moe.stack_experts,
 }
 
 

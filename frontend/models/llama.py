@@ -1,5 +1,6 @@
 """The Llama family in plain torch.nn: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (QKV bias),
-Qwen3 (RMSNorm on each head's q and k before rope); its attention serves Gemma 3 too (gemma3.py).
+Qwen3 (RMSNorm on each head's q and k before rope), and with a mixture-of-experts MLP (moe.py) Mixtral,
+Qwen3-MoE and OLMoE (q and k norms over all heads); its attention serves Gemma 3 too (gemma3.py).
 
 Parameter names follow Hugging Face's, so HF state dicts load as they are. `forward` is the DESIGN.md
 step: a ragged batch of sequences over the paged KV cache, returning logits for `logits_indices`.
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig, RopeScaling
+from kiln.frontend.models.moe import SparseMoeBlock
 from kiln.frontend.ops import paged_attention, rms_norm, rope, scale, softcap
 
 
@@ -59,8 +61,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.norms_heads = not config.qk_norm_whole  # each head's values, or all heads' at once (OLMoE)
+        q_norm_size, k_norm_size = (self.head_dim, self.head_dim) if self.norms_heads else (q_size, kv_size)
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -72,10 +76,15 @@ class Attention(nn.Module):
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
     ) -> torch.Tensor:
-        q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(-1, self.num_heads, self.head_dim)
-        k = F.linear(x, self.k_proj.weight, self.k_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
+        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
+        k = F.linear(x, self.k_proj.weight, self.k_proj.bias)
+        if self.q_norm is not None and self.k_norm is not None and not self.norms_heads:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = F.linear(x, self.v_proj.weight, self.v_proj.bias).view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # over each head's head_dim values
+        if self.q_norm is not None and self.k_norm is not None and self.norms_heads:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = rope(q, positions, **self.rope_attrs)
@@ -117,7 +126,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe(layer) else MLP(config)
 
     def forward(
         self,

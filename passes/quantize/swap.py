@@ -1,8 +1,13 @@
-"""Phase 2 of quantization: each eligible linear becomes a quantized_linear over the quantized weight."""
+"""Phase 2 of quantization: each eligible linear becomes a quantized_linear over the quantized weight,
+and each moe a quantized_moe over its quantized experts. Routers stay float: top-k is discontinuous,
+and a quantized router's noise would swap experts for a small saving (E x hidden values)."""
 
 from __future__ import annotations
 
-from kiln.ir import Node, Program, ValueKind
+import torch
+
+from kiln.ir import Node, Program, Value, ValueKind
+from kiln.ir.ops.moe import PROJECTIONS
 from kiln.passes.base import Pass, PassError, PassOptions
 from kiln.passes.quantize.quantizers import QuantizedWeight, import_gguf, quantize_int4, quantize_int8
 from kiln.passes.rewriter import Rewriter
@@ -18,24 +23,70 @@ def _is_lm_head(node: Node, embedding_weights: set[str]) -> bool:
     return weight.name in embedding_weights or weight.name.startswith("lm_head")
 
 
+def _routers(program: Program) -> set[str]:
+    return {n.inputs[1].name for n in program.graph.nodes if n.op == "moe" and n.inputs[1] is not None}
+
+
 def _quantized(node: Node, program: Program, options: PassOptions) -> QuantizedWeight | None:
     weight = node.inputs[1]
     assert weight is not None
-    tensor = program.weights[weight.name]
+    return _quantized_weight(weight.name, program.weights[weight.name], options)
+
+
+def _quantized_weight(name: str, tensor: torch.Tensor, options: PassOptions) -> QuantizedWeight | None:
     rows, k = tensor.shape
     if options.quantization == "int8":
         return quantize_int8(tensor)
     if options.quantization == "int4":
         if k % options.group_size:
             raise PassError(
-                f"weight {weight.name}: in_features {k} is not a multiple of group size {options.group_size}",
+                f"weight {name}: in_features {k} is not a multiple of group size {options.group_size}",
                 hint="choose a group size that divides it (32, 64 or 128), or int8",
             )
         return quantize_int4(tensor, options.group_size)
-    blocks = options.gguf_blocks.get(weight.name)
+    blocks = options.gguf_blocks.get(name)
     if blocks is None:
         return None  # stored as float in the GGUF: it stays float
-    return import_gguf(blocks[0], blocks[1], (rows, k), weight.name)
+    return import_gguf(blocks[0], blocks[1], (rows, k), name)
+
+
+def _quantized_experts(name: str, tensor: torch.Tensor, options: PassOptions) -> QuantizedWeight | None:
+    """Stacked experts [E, N, K] quantized as the [E * N, K] rows they are, then stacked again."""
+    experts, rows, k = tensor.shape
+    flat = _quantized_weight(name, tensor.reshape(experts * rows, k), options)
+    if flat is None:
+        return None
+    flat.qweight = flat.qweight.reshape(experts, rows, -1)
+    flat.scales = flat.scales.reshape(experts, rows, -1)
+    flat.zeros = None if flat.zeros is None else flat.zeros.reshape(experts, rows, -1)
+    return flat
+
+
+def _quantize_moe(node: Node, program: Program, options: PassOptions, rewriter: Rewriter) -> bool:
+    """moe → quantized_moe when every projection's experts quantize (GGUF: all three are blocks)."""
+    expert_values = node.inputs[2:5]
+    if not all(v is not None and v.kind is ValueKind.PARAM for v in expert_values):
+        return False
+    quantized = [
+        _quantized_experts(v.name, program.weights[v.name], options) for v in expert_values if v is not None
+    ]
+    if any(q is None for q in quantized):
+        return False
+    params: dict[str, list[Value | None]] = {"qweight": [], "scales": [], "zeros": []}
+    attrs: dict[str, object] = dict(node.attrs)
+    for value, part, weight in zip(expert_values, PROJECTIONS, quantized, strict=True):
+        assert value is not None and weight is not None
+        params["qweight"].append(rewriter.add_param(f"{value.name}.qweight", weight.qweight))
+        params["scales"].append(rewriter.add_param(f"{value.name}.scales", weight.scales))
+        zeros = weight.zeros
+        params["zeros"].append(None if zeros is None else rewriter.add_param(f"{value.name}.zeros", zeros))
+        attrs[part] = weight.attrs()
+    inputs = [node.inputs[0], node.inputs[1], *params["qweight"], *params["scales"], *params["zeros"]]
+    while inputs[-1] is None:
+        inputs.pop()
+    (out,) = rewriter.emit("quantized_moe", inputs, attrs, node.source)
+    rewriter.replace(node.outputs[0], out)
+    return True
 
 
 def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, bool]:
@@ -44,12 +95,18 @@ def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, b
     if options.quantization == "gguf" and not options.gguf_blocks:
         raise PassError("quantization gguf needs a GGUF model with quantized blocks", hint="use int8 or int4")
     embedding_weights = _embedding_weights(program)
+    routers = _routers(program)
     rewriter = Rewriter(program)
     for node in program.graph.nodes:
+        if node.op == "moe":
+            if not _quantize_moe(node, program, options, rewriter):
+                rewriter.keep(node)
+            continue
         weight = node.inputs[1] if node.op == "linear" else None
         eligible = (
             weight is not None
             and weight.kind is ValueKind.PARAM
+            and node.outputs[0].name not in routers
             and (options.quantize_lm_head or not _is_lm_head(node, embedding_weights))
         )
         quantized = _quantized(node, program, options) if eligible else None
@@ -73,4 +130,8 @@ def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, b
     return rewriter.finish(), rewriter.changed
 
 
-QUANTIZE_LINEARS = Pass("quantize_linears", quantize_linears, "linear → quantized_linear (int8, int4, gguf)")
+QUANTIZE_LINEARS = Pass(
+    "quantize_linears",
+    quantize_linears,
+    "linear → quantized_linear, moe → quantized_moe (int8, int4, gguf)",
+)

@@ -65,6 +65,29 @@ TINY_MODELS = {
             "tie_word_embeddings": True,
         },
     ),
+    # mixture of experts: 4 or 8 experts, top 2; Qwen3-MoE with a dense layer, OLMoE unnormalised
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "olmoe": (
+        transformers.OlmoeConfig,
+        transformers.OlmoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 2},
+    ),
 }
 
 # The ragged batch: step 1 prefills a[:20] and c[:10]; step 2 decodes a, prefills b from scratch and

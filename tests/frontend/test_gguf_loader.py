@@ -145,6 +145,10 @@ _LAYER_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 
 
@@ -238,7 +242,7 @@ def write_gguf(
             array = llama_cpp_permute(array, HEADS)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, KV_HEADS)
-        _add_tensor(writer, _gguf_name(name), array, ggml_type if array.ndim == 2 else "F32")
+        _add_tensor(writer, _gguf_name(name), array, ggml_type if array.ndim >= 2 else "F32")
     for name, extra in (extra_tensors or {}).items():  # an array, or (raw blocks, their ggml type)
         if isinstance(extra, tuple):
             writer.add_tensor(name, extra[0], raw_dtype=Q[extra[1]])
@@ -320,6 +324,77 @@ def test_qwen3_has_per_head_q_and_k_norms(tmp_path: Path) -> None:
     assert set(source.weights) == set(weights)
     for name, array in weights.items():
         assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+
+
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 32
+
+
+def with_experts(weights: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
+    """`weights` with each layer's MLP a router and 4 stacked experts (GGUF's `ffn_*_exps`)."""
+    rng = np.random.default_rng(seed)
+    moe = {name: array for name, array in weights.items() if ".mlp." not in name}
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}.mlp."
+        shapes = {
+            "gate.weight": (EXPERTS, HIDDEN),
+            "experts.gate_proj.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+            "experts.up_proj.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+            "experts.down_proj.weight": (EXPERTS, HIDDEN, EXPERT_FFN),
+        }
+        moe |= {
+            prefix + name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()
+        }
+    return moe
+
+
+@pytest.mark.parametrize(
+    ("arch", "architecture", "normalized", "whole_norms"),
+    [
+        ("llama", "MixtralForCausalLM", True, False),
+        ("qwen3moe", "Qwen3MoeForCausalLM", True, False),
+        ("olmoe", "OlmoeForCausalLM", False, True),
+    ],
+)
+def test_mixture_of_experts(
+    tmp_path: Path, arch: str, architecture: str, normalized: bool, whole_norms: bool
+) -> None:
+    weights = with_experts(tiny_weights(qk_norm=arch != "llama"))
+    if whole_norms:  # OLMoE's q and k norms span every head
+        for i in range(LAYERS):
+            weights[f"model.layers.{i}.self_attn.q_norm.weight"] = np.ones(HEADS * HEAD_DIM, np.float32)
+            weights[f"model.layers.{i}.self_attn.k_norm.weight"] = np.ones(KV_HEADS * HEAD_DIM, np.float32)
+    metadata = {f"{arch}.expert_count": EXPERTS, f"{arch}.expert_used_count": EXPERTS_USED}
+    if arch == "qwen3moe":
+        metadata[f"{arch}.expert_feed_forward_length"] = EXPERT_FFN
+    source = load_gguf(write_gguf(tmp_path / f"{arch}.gguf", weights, arch=arch, metadata=metadata))
+    config = source.config
+    assert config.architecture == architecture
+    assert (config.num_experts, config.num_experts_per_tok) == (EXPERTS, EXPERTS_USED)
+    assert config.norm_topk_prob is normalized and config.qk_norm_whole is whole_norms
+    assert all(config.is_moe(layer) for layer in range(LAYERS))
+    assert set(source.weights) == set(weights)
+    for name in weights:
+        if ".mlp." in name:
+            assert torch.equal(source.weights[name], torch.from_numpy(weights[name])), name
+
+
+def test_quantized_experts_stay_blocks(tmp_path: Path) -> None:
+    weights = with_experts(tiny_weights())
+    metadata = {"llama.expert_count": EXPERTS, "llama.expert_used_count": EXPERTS_USED}
+    path = write_gguf(tmp_path / "mixtral.gguf", weights, metadata=metadata, ggml_type="Q8_0")
+    experts = load_gguf(path).weights["model.layers.0.mlp.experts.down_proj.weight"]
+    assert isinstance(experts, QuantizedTensor) and experts.ggml_type == "Q8_0"
+    assert experts.shape == (EXPERTS, HIDDEN, EXPERT_FFN)
+    expected = gguf.quants.dequantize(
+        gguf.quants.quantize(weights["model.layers.0.mlp.experts.down_proj.weight"], Q.Q8_0), Q.Q8_0
+    )
+    assert torch.equal(experts.dequantize(), torch.from_numpy(expected))
+
+
+def test_experts_without_a_used_count_are_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "moe.gguf", with_experts(tiny_weights()), metadata={"llama.expert_count": 4})
+    with pytest.raises(ModelLoadError, match="expert_used_count"):
+        load_gguf(path)
 
 
 def _fused_phi3(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

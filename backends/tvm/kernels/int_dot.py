@@ -30,6 +30,12 @@ columns for `vectors x 2` rows (AVX-512: 8), so each weight vector is unpacked o
 the rest two rows over the whole strip, then one. The order of the float sums per output is the
 same in every pass, so a row's result does not depend on how many rows come with it.
 
+Mixture of experts (`experts` > 0): the weights are E experts' strips stacked ([E * strips, ...]);
+`order` lists the (token, slot) rows grouped by expert and `offsets[e]..offsets[e + 1]` are expert e's,
+so each strip pass runs over each expert's rows with that expert's weights, and an expert no row
+chose is never read. An output row is a slot t * top_k + j; its input row is the token t (gate, up)
+or the slot itself (down: `slot_input`).
+
 Rounding: the activation quantization adds an error of up to d / 2 per value (a relative error
 about 1/254 of the block's largest value), as in llama.cpp; tests state the tolerance.
 """
@@ -190,9 +196,14 @@ def int_dot_gemm_kernel(
     plane: Plane | None = None,
     activation_bits: int = 16,
     scale_per: int = 0,
+    experts: int = 0,
+    top_k: int = 1,
+    slot_input: bool = False,
 ) -> tirx.PrimFunc:
     """`scale_per` > 0: scales (and zeros) come factored, an int8 a group times a float32 a run of
-    `scale_per` groups (layouts.py `factored_*`; GGUF K-quants: d * sc), else as they are."""
+    `scale_per` groups (layouts.py `factored_*`; GGUF K-quants: d * sc), else as they are.
+    `experts` > 0: the mixture-of-experts form (module docstring); it takes `order` and `offsets`
+    after `which`, and its rows are slots (top_k a token)."""
     tile = int_dot_tile(n, spec, isa)
     assert tile is not None, (n, spec, isa)
     lanes, width = isa.lanes, isa.bytes
@@ -227,7 +238,8 @@ def int_dot_gemm_kernel(
     four = T.broadcast(T.uint8(4), width)
 
     factored = scale_per > 0
-    super_shape = (strips, groups // scale_per, tile) if factored else (strips, groups, tile)
+    weight_strips = strips * max(experts, 1)
+    super_shape = (weight_strips, groups // scale_per, tile) if factored else (weight_strips, groups, tile)
     sub_dtype = "int8" if factored else stored
     super_dtype = "float32" if factored else stored
 
@@ -239,6 +251,15 @@ def int_dot_gemm_kernel(
     def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
         return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
 
+    def in_row(rows_in: Any, row0: Expr, r: Expr) -> Expr:  # the activation row of pass row r
+        return rows_in[r] if experts else row0 + r
+
+    def out_row(rows_out: Any, row0: Expr, r: Expr) -> Expr:
+        return rows_out[r] if experts else row0 + r
+
+    def input_of(slot: Expr) -> Expr:  # experts: a slot's activation row
+        return slot if slot_input else slot // top_k
+
     def block_index(g: Expr, bi: Expr) -> Expr:  # activation block bi of group g
         return g * per_group + bi
 
@@ -246,23 +267,28 @@ def int_dot_gemm_kernel(
         return block_index(g, bi) * block_pairs + p
 
     @T.macro
-    def dot_step(dots, half, row0, count, nv, pair, xq, low, high):
+    def dot_step(dots, half, row0, count, nv, pair, xq, low, high, rows_in):
         # dots[r, v] += the 8 k of `pair`, activation half `half`, rows row0.., nv vectors
         for r in T.unroll(count):
             for v in T.unroll(nv):
                 dots[r, T.ramp(v * lanes, 1, lanes)] = dot_pair(
                     dots.vload([r, v * lanes], f"int32x{lanes}"),
                     low.vload([v, 0], f"uint8x{width}"),
-                    x4(xq, half, row0 + r, pair * 2),
+                    x4(xq, half, in_row(rows_in, row0, r), pair * 2),
                     high.vload([v, 0], f"uint8x{width}"),
-                    x4(xq, half, row0 + r, pair * 2 + 1),
+                    x4(xq, half, in_row(rows_in, row0, r), pair * 2 + 1),
                 )
 
     @T.macro
-    def rows_of_strip(jo, row0, count, v0, nv, buffers):
+    def rows_of_strip(jo, wj, row0, count, v0, nv, buffers):
         w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = buffers[:10]
-        bias, y_rows, acc, part, dots, dots_low, low, high = buffers[10:]
-        # `count` rows from row0 by `nv` vectors of columns from vector v0, strip jo
+        bias, y_rows, order, acc, part, dots, dots_low, low, high, rows_in, rows_out = buffers[10:]
+        # `count` rows from row0 by `nv` vectors of columns from vector v0, strip jo (weights: strip wj);
+        # experts: row0 is a position in `order`
+        if experts > 0:
+            for r in T.unroll(count):
+                rows_out[r] = order[row0 + r]
+                rows_in[r] = input_of(order[row0 + r])
         for r in T.unroll(count):
             for lane in T.vectorized(nv * lanes):
                 acc[r, lane] = T.float32(0)
@@ -281,11 +307,11 @@ def int_dot_gemm_kernel(
                     for v in T.unroll(nv):
                         if nibbles and high_shift > 0:
                             low[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
+                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
                             ) | (
                                 (
                                     w_high.vload(
-                                        [jo, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
+                                        [wj, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
                                         f"uint8x{width}",
                                     )
                                     >> T.broadcast(T.uint8(high_shift * 2 * (p % high_pairs)), width)
@@ -293,11 +319,11 @@ def int_dot_gemm_kernel(
                                 & high_mask
                             ) << four
                             high[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
+                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
                             ) | (
                                 (
                                     w_high.vload(
-                                        [jo, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
+                                        [wj, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
                                         f"uint8x{width}",
                                     )
                                     >> T.broadcast(T.uint8(high_shift * (2 * (p % high_pairs) + 1)), width)
@@ -306,104 +332,72 @@ def int_dot_gemm_kernel(
                             ) << four
                         elif nibbles:
                             low[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
+                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
                             )
                             high[v, T.ramp(0, 1, width)] = (
-                                w.vload([jo, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
+                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
                             ) & nibble
                         else:
                             low[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([jo, pair_of(g, bi, p) * 2, (v0 + v) * width], f"int8x{width}"),
+                                w.vload([wj, pair_of(g, bi, p) * 2, (v0 + v) * width], f"int8x{width}"),
                                 dtype=f"uint8x{width}",
                             )
                             high[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([jo, pair_of(g, bi, p) * 2 + 1, (v0 + v) * width], f"int8x{width}"),
+                                w.vload([wj, pair_of(g, bi, p) * 2 + 1, (v0 + v) * width], f"int8x{width}"),
                                 dtype=f"uint8x{width}",
                             )
-                    dot_step(dots, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high)
+                    dot_step(dots, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
                     if halves == 2:
-                        dot_step(dots_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high)
+                        dot_step(dots_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
                 for r in T.unroll(count):
                     for lane in T.vectorized(nv * lanes):
                         if halves == 2:
                             dots[r, lane] = dots[r, lane] * 255 + dots_low[r, lane]
                         if offset != 0:
-                            dots[r, lane] = dots[r, lane] - offset * xq_sums[row0 + r, block_index(g, bi)]
+                            dots[r, lane] = (
+                                dots[r, lane] - offset * xq_sums[in_row(rows_in, row0, r), block_index(g, bi)]
+                            )
                         if per_group == 1:
-                            part[r, lane] = x_scales[row0 + r, block_index(g, bi)] * T.Cast(
+                            part[r, lane] = x_scales[in_row(rows_in, row0, r), block_index(g, bi)] * T.Cast(
                                 "float32", dots[r, lane]
                             )
                         else:
-                            part[r, lane] = part[r, lane] + x_scales[row0 + r, block_index(g, bi)] * T.Cast(
-                                "float32", dots[r, lane]
-                            )
+                            part[r, lane] = part[r, lane] + x_scales[
+                                in_row(rows_in, row0, r), block_index(g, bi)
+                            ] * T.Cast("float32", dots[r, lane])
             for r in T.unroll(count):
                 for lane in T.vectorized(nv * lanes):
                     if scheme == 0:
                         acc[r, lane] = (
                             acc[r, lane]
-                            + scale_of(scales, scales_super, jo, g, v0 * lanes + lane) * part[r, lane]
+                            + scale_of(scales, scales_super, wj, g, v0 * lanes + lane) * part[r, lane]
                         )
                     elif scheme == 1:
                         acc[r, lane] = (
                             acc[r, lane]
-                            + scale_of(scales, scales_super, jo, g, v0 * lanes + lane) * part[r, lane]
-                            + scale_of(zeros, zeros_super, jo, g, v0 * lanes + lane) * x_sums[row0 + r, g]
+                            + scale_of(scales, scales_super, wj, g, v0 * lanes + lane) * part[r, lane]
+                            + scale_of(zeros, zeros_super, wj, g, v0 * lanes + lane)
+                            * x_sums[in_row(rows_in, row0, r), g]
                         )
                     else:
                         acc[r, lane] = acc[r, lane] + scale_of(
-                            scales, scales_super, jo, g, v0 * lanes + lane
+                            scales, scales_super, wj, g, v0 * lanes + lane
                         ) * (
                             part[r, lane]
-                            - scale_of(zeros, zeros_super, jo, g, v0 * lanes + lane) * x_sums[row0 + r, g]
+                            - scale_of(zeros, zeros_super, wj, g, v0 * lanes + lane)
+                            * x_sums[in_row(rows_in, row0, r), g]
                         )
         for r in T.unroll(count):
             for lane in T.vectorized(nv * lanes):
                 if has_bias:
-                    y_rows[row0 + r, jo * tile + v0 * lanes + lane] = (
+                    y_rows[out_row(rows_out, row0, r), jo * tile + v0 * lanes + lane] = (
                         acc[r, lane] + bias[jo * tile + v0 * lanes + lane]
                     )
                 else:
-                    y_rows[row0 + r, jo * tile + v0 * lanes + lane] = acc[r, lane]
+                    y_rows[out_row(rows_out, row0, r), jo * tile + v0 * lanes + lane] = acc[r, lane]
 
-    @T.prim_func(s_tir=True)
-    def int_dot_gemm(
-        x_handle: T.handle,
-        w_handle: T.handle,
-        high_handle: T.handle,
-        s_handle: T.handle,
-        s_super_handle: T.handle,
-        z_handle: T.handle,
-        z_super_handle: T.handle,
-        bias_handle: T.handle,
-        counts_handle: T.handle,
-        which: T.int64,
-        y_handle: T.handle,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        q = T.int64()
-        bias_len = T.int64()  # n with a bias; 1 (never read) without
-        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
-        w = T.match_buffer(w_handle, (strips, steps, tile * 4), "uint8" if nibbles else "int8")
-        w_high = T.match_buffer(  # plane 5 and 6: the bits above the nibbles (else w again, unread)
-            high_handle, (strips, steps // high_pairs, tile * 4), "uint8" if nibbles else "int8"
-        )
-        scales = T.match_buffer(s_handle, (strips, groups, tile), sub_dtype)
-        zeros = T.match_buffer(z_handle, (strips, groups, tile), sub_dtype)
-        scales_super = T.match_buffer(  # factored: the float32 a run of groups (else scales again, unread)
-            s_super_handle, super_shape, super_dtype
-        )
-        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
-        bias = T.match_buffer(bias_handle, (bias_len,), "float32")
-        counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
-        y = T.match_buffer(y_handle, (q, 4, n), "float32")
-        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
-        y_rows = T.decl_buffer((q * 4, n), "float32", data=y.data)
-        xq = T.sblock_alloc_buffer((halves, q * 4, k), "int8")
-        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
-        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
-        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
-        rows = T.min(counts[which], q * 4)
+    @T.macro
+    def quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums):
         for row in T.parallel(rows):
             with T.sblock("quantize"):
                 T.reads()
@@ -441,28 +435,92 @@ def int_dot_gemm_kernel(
                         x_sums[row, g] = T.float32(0)
                         for i in T.serial(group):
                             x_sums[row, g] = x_sums[row, g] + x[row, g * group + i]
+
+    @T.macro
+    def strip_passes(jo, wj, base, rows, operands):
+        # scratch in the default scope, each under 1 KiB: TVM keeps those on the stack (so in
+        # registers after LLVM's SROA); it sends "local" ones to the heap workspace
+        wide = (  # accumulators and unpacked weights of a pass over the whole strip; experts' rows
+            T.sblock_alloc_buffer((row_block, tile), "float32"),
+            T.sblock_alloc_buffer((row_block, tile), "float32"),
+            T.sblock_alloc_buffer((row_block, tile), "int32"),
+            T.sblock_alloc_buffer((row_block, tile), "int32"),
+            T.sblock_alloc_buffer((vectors, width), "uint8"),
+            T.sblock_alloc_buffer((vectors, width), "uint8"),
+            T.sblock_alloc_buffer((row_block,), "int32"),
+            T.sblock_alloc_buffer((row_block,), "int32"),
+        )
+        narrow = (  # ... of a pass over one vector of columns
+            T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
+            T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
+            T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
+            T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
+            T.sblock_alloc_buffer((1, width), "uint8"),
+            T.sblock_alloc_buffer((1, width), "uint8"),
+            T.sblock_alloc_buffer((narrow_rows,), "int32"),
+            T.sblock_alloc_buffer((narrow_rows,), "int32"),
+        )
+        for a in T.serial(rows // narrow_rows):
+            for vector in T.serial(vectors):
+                rows_of_strip(jo, wj, base + a * narrow_rows, narrow_rows, vector, 1, operands + narrow)
+        for a in T.serial(rows % narrow_rows // row_block):
+            rows_of_strip(
+                jo,
+                wj,
+                base + rows - rows % narrow_rows + a * row_block,
+                row_block,
+                0,
+                vectors,
+                operands + wide,
+            )
+        for r in T.serial(rows % row_block):
+            rows_of_strip(jo, wj, base + rows - rows % row_block + r, 1, 0, vectors, operands + wide)
+
+    weight_dtype = "uint8" if nibbles else "int8"
+
+    @T.prim_func(s_tir=True)
+    def int_dot_gemm(
+        x_handle: T.handle,
+        w_handle: T.handle,
+        high_handle: T.handle,
+        s_handle: T.handle,
+        s_super_handle: T.handle,
+        z_handle: T.handle,
+        z_super_handle: T.handle,
+        bias_handle: T.handle,
+        counts_handle: T.handle,
+        which: T.int64,
+        y_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        q = T.int64()
+        bias_len = T.int64()  # n with a bias; 1 (never read) without
+        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
+        w = T.match_buffer(w_handle, (strips, steps, tile * 4), weight_dtype)
+        w_high = T.match_buffer(  # plane 5 and 6: the bits above the nibbles (else w again, unread)
+            high_handle, (strips, steps // high_pairs, tile * 4), weight_dtype
+        )
+        scales = T.match_buffer(s_handle, (strips, groups, tile), sub_dtype)
+        zeros = T.match_buffer(z_handle, (strips, groups, tile), sub_dtype)
+        scales_super = T.match_buffer(  # factored: the float32 a run of groups (else scales again, unread)
+            s_super_handle, super_shape, super_dtype
+        )
+        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
+        bias = T.match_buffer(bias_handle, (bias_len,), "float32")
+        counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
+        y = T.match_buffer(y_handle, (q, 4, n), "float32")
+        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
+        y_rows = T.decl_buffer((q * 4, n), "float32", data=y.data)
+        xq = T.sblock_alloc_buffer((halves, q * 4, k), "int8")
+        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
+        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
+        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
+        rows = T.min(counts[which], q * 4)
+        quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums)
         for jo in T.parallel(strips):
             with T.sblock("strip"):
                 T.reads()
                 T.writes()
-                # scratch in the default scope, each under 1 KiB: TVM keeps those on the stack (so in
-                # registers after LLVM's SROA); it sends "local" ones to the heap workspace
-                wide = (  # accumulators and unpacked weights of a pass over the whole strip
-                    T.sblock_alloc_buffer((row_block, tile), "float32"),
-                    T.sblock_alloc_buffer((row_block, tile), "float32"),
-                    T.sblock_alloc_buffer((row_block, tile), "int32"),
-                    T.sblock_alloc_buffer((row_block, tile), "int32"),
-                    T.sblock_alloc_buffer((vectors, width), "uint8"),
-                    T.sblock_alloc_buffer((vectors, width), "uint8"),
-                )
-                narrow = (  # ... of a pass over one vector of columns
-                    T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
-                    T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
-                    T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
-                    T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
-                    T.sblock_alloc_buffer((1, width), "uint8"),
-                    T.sblock_alloc_buffer((1, width), "uint8"),
-                )
                 operands = (
                     w,
                     w_high,
@@ -476,15 +534,67 @@ def int_dot_gemm_kernel(
                     zeros_super,
                     bias,
                     y_rows,
+                    counts,  # `order` in the experts' form, unread here
                 )
-                for a in T.serial(rows // narrow_rows):
-                    for vector in T.serial(vectors):
-                        rows_of_strip(jo, a * narrow_rows, narrow_rows, vector, 1, operands + narrow)
-                for a in T.serial(rows % narrow_rows // row_block):
-                    rows_of_strip(
-                        jo, rows - rows % narrow_rows + a * row_block, row_block, 0, vectors, operands + wide
-                    )
-                for r in T.serial(rows % row_block):
-                    rows_of_strip(jo, rows - rows % row_block + r, 1, 0, vectors, operands + wide)
+                strip_passes(jo, jo, 0, rows, operands)
 
-    return int_dot_gemm
+    @T.prim_func(s_tir=True)
+    def int_dot_experts(
+        x_handle: T.handle,
+        w_handle: T.handle,
+        high_handle: T.handle,
+        s_handle: T.handle,
+        s_super_handle: T.handle,
+        z_handle: T.handle,
+        z_super_handle: T.handle,
+        counts_handle: T.handle,
+        which: T.int64,
+        order_handle: T.handle,
+        offsets_handle: T.handle,
+        y_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        q = T.int64()  # blocks of 4 input rows: tokens, or slots with `slot_input`
+        qs = T.int64()  # blocks of 4 slots
+        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
+        w = T.match_buffer(w_handle, (weight_strips, steps, tile * 4), weight_dtype)
+        w_high = T.match_buffer(high_handle, (weight_strips, steps // high_pairs, tile * 4), weight_dtype)
+        scales = T.match_buffer(s_handle, (weight_strips, groups, tile), sub_dtype)
+        zeros = T.match_buffer(z_handle, (weight_strips, groups, tile), sub_dtype)
+        scales_super = T.match_buffer(s_super_handle, super_shape, super_dtype)
+        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
+        counts = T.match_buffer(counts_handle, (2,), "int64")
+        order = T.match_buffer(order_handle, (qs * 4,), "int32")
+        offsets = T.match_buffer(offsets_handle, (max(experts, 1) + 1,), "int32")
+        y = T.match_buffer(y_handle, (qs, 4, n), "float32")
+        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
+        y_rows = T.decl_buffer((qs * 4, n), "float32", data=y.data)
+        xq = T.sblock_alloc_buffer((halves, q * 4, k), "int8")
+        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
+        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
+        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
+        rows = T.min(counts[which] * (top_k if slot_input else 1), q * 4)
+        quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums)
+        for jo in T.parallel(strips):
+            with T.sblock("strip"):
+                T.reads()
+                T.writes()
+                operands = (
+                    w,
+                    w_high,
+                    xq,
+                    x_scales,
+                    xq_sums,
+                    x_sums,
+                    scales,
+                    scales_super,
+                    zeros,
+                    zeros_super,
+                    counts,  # no bias: unread
+                    y_rows,
+                    order,
+                )
+                for e in T.serial(experts):
+                    strip_passes(jo, e * strips + jo, offsets[e], offsets[e + 1] - offsets[e], operands)
+
+    return int_dot_experts if experts else int_dot_gemm

@@ -17,6 +17,7 @@ from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Graph, Program
+from kiln.ir.ops.moe import quantized_inputs
 from kiln.ir.ops.quant import pack_int4, unpack_int4
 from kiln.passes import PassManager, PassOptions, pipeline
 
@@ -24,6 +25,7 @@ FLOAT_TOLERANCE = 1e-4  # max |ours - reference| / max |reference|
 # MatMulNBits dequantizes in its own order (and Q4_1's min becomes a float zero point -min / scale):
 # measured 1e-6 .. 3e-6 here, 1.1e-6 on SmolLM2 Q4_1 and int4.
 QUANT_TOLERANCE = 1e-4
+MOE_KINDS = ("mixtral", "olmoe", "qwen3_moe")  # quantized_moe: experts dequantized at load
 
 
 def _as_gguf_q4_1(program: Program) -> Program:
@@ -35,15 +37,27 @@ def _as_gguf_q4_1(program: Program) -> Program:
         if param.name.endswith((".scales", ".zeros")):
             param = dataclasses.replace(param, type=dataclasses.replace(param.type, dtype="f16"))
         params[param.name] = param
+    q4_1 = {"scheme": "min", "packing": "gguf"}
+
+    def rewrite(qweight: str, scales: str, zeros: str) -> None:
+        packed = weights[qweight]
+        rows = unpack_int4(packed.reshape(-1, packed.shape[-1]), "pairs")  # stacked experts: [E * N, K/2]
+        weights[qweight] = pack_int4(rows, "gguf").reshape(packed.shape)
+        weights[zeros] = (-weights[zeros] * weights[scales]).to(torch.float16)
+        weights[scales] = weights[scales].to(torch.float16)
+
     nodes = []
     for node in program.graph.nodes:
         inputs = tuple(params.get(v.name, v) if v is not None else None for v in node.inputs)
         if node.op == "quantized_linear":
-            qweight, scales, zeros = (v.name for v in node.inputs[1:4])  # type: ignore[union-attr]
-            weights[qweight] = pack_int4(unpack_int4(weights[qweight], "pairs"), "gguf")
-            weights[zeros] = (-weights[zeros] * weights[scales]).to(torch.float16)
-            weights[scales] = weights[scales].to(torch.float16)
-            node = dataclasses.replace(node, attrs={**node.attrs, "scheme": "min", "packing": "gguf"})
+            rewrite(*(v.name for v in node.inputs[1:4]))  # type: ignore[union-attr]
+            node = dataclasses.replace(node, attrs={**node.attrs, **q4_1})
+        if node.op == "quantized_moe":
+            attrs = dict(node.attrs)
+            for name, parts in quantized_inputs(node.inputs).items():
+                rewrite(*(v.name for v in parts))  # type: ignore[union-attr]
+                attrs[name] = {**attrs[name], **q4_1}  # type: ignore[dict-item]
+            node = dataclasses.replace(node, attrs=attrs)
         nodes.append(dataclasses.replace(node, inputs=inputs))
     graph = Graph(
         program.graph.name, program.graph.inputs, list(params.values()), nodes, program.graph.outputs
@@ -79,18 +93,33 @@ def test_float32_ragged_batch_matches_the_reference(
     _compare(optimized, tmp_path / "o2", FLOAT_TOLERANCE, ragged_run)
 
 
+def _quantized(kind: str, quantization: str, folder: Path, make_tiny_program) -> Program:
+    program = make_tiny_program(kind, folder)
+    scheme = "int4" if quantization == "q4_1" else quantization
+    options = PassOptions(quantization=scheme, quantize_lm_head=True)
+    quantized, _ = PassManager(pipeline(2, options)).run(program, options)
+    return _as_gguf_q4_1(quantized) if quantization == "q4_1" else quantized
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8", "q4_1"])
 def test_quantized_ragged_batch_matches_the_reference(
     quantization: str, tmp_path: Path, make_tiny_program, ragged_run
 ) -> None:
-    program = make_tiny_program("qwen2", tmp_path / "hf")  # biases: the MatMulNBits + Add path
-    scheme = "int4" if quantization == "q4_1" else quantization
-    options = PassOptions(quantization=scheme, quantize_lm_head=True)
-    quantized, _ = PassManager(pipeline(2, options)).run(program, options)
-    if quantization == "q4_1":
-        quantized = _as_gguf_q4_1(quantized)
+    # qwen2 has biases: the MatMulNBits + Add path
+    quantized = _quantized("qwen2", quantization, tmp_path / "hf", make_tiny_program)
     kernels = _compare(quantized, tmp_path / "ort", QUANT_TOLERANCE, ragged_run)
     expected = (
         "onnx Gemm (weight dequantized at load)" if quantization == "int8" else "com.microsoft.MatMulNBits"
     )
     assert kernels["quantized_linear"].startswith(expected)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "q4_1"])
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_quantized_moe_ragged_batch_matches_the_reference(
+    kind: str, quantization: str, tmp_path: Path, make_tiny_program, ragged_run
+) -> None:
+    quantized = _quantized(kind, quantization, tmp_path / "hf", make_tiny_program)
+    assert "moe" not in {node.op for node in quantized.graph.nodes}
+    kernels = _compare(quantized, tmp_path / "ort", QUANT_TOLERANCE, ragged_run)
+    assert kernels["quantized_moe"].endswith("(experts dequantized at load)")
