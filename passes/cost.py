@@ -23,6 +23,14 @@ def matmul_flops(graph: Graph, sizes: dict[str, int], context: int) -> int:
             for dim in out.shape[:-1]:
                 rows *= _size(dim, sizes)
             total += 2 * rows * _size(x.type.shape[-1], sizes) * _size(out.shape[-1], sizes)
+        elif node.op in ("moe", "quantized_moe"):  # top_k experts a token, three matmuls each
+            x = node.inputs[0]
+            assert x is not None
+            tokens, hidden = (_size(d, sizes) for d in x.type.shape)
+            gate = node.inputs[2]
+            assert gate is not None
+            inner = _size(gate.type.shape[1], sizes)
+            total += 2 * tokens * int(node.attrs["top_k"]) * 3 * hidden * inner
         elif node.op == "paged_attention":
             tokens, heads, head_dim = (_size(d, sizes) for d in out.shape)
             total += 2 * 2 * tokens * heads * head_dim * context  # scores and the weighted sum

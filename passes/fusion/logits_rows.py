@@ -18,6 +18,8 @@ _ROW_WISE: dict[str, tuple[int, ...]] = {
     "cast": (0,),
     "add": (0, 1),
     "mul": (0, 1),
+    "moe": (0, 1),  # x and its router logits
+    "quantized_moe": (0, 1),
 }
 
 

@@ -1,9 +1,11 @@
 """Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
 against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
-layers and LM head are random blocks of the type, prefills of 1, 4, 16 and 64 rows."""
+layers and LM head are random blocks of the type, prefills of 1, 4, 16 and 64 rows; and a one-layer
+Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K down)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -42,24 +44,34 @@ CONFIG = ModelConfig(
 )
 
 
-def _program(ggml_type: str, random_gguf_blocks):
-    """The one-layer model with every linear weight (and the LM head) random blocks of `ggml_type`."""
+MOE_CONFIG = dataclasses.replace(
+    CONFIG,
+    architecture="MixtralForCausalLM",
+    intermediate_size=256,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+
+
+def _program(ggml_type: str, random_gguf_blocks, config: ModelConfig = CONFIG):
+    """The one-layer model with every linear weight (and the LM head) random blocks of `ggml_type`;
+    experts' down projections Q6_K (as in Q4_K_M files); routers float."""
     with torch.device("meta"):
-        shapes = model_class(CONFIG)(CONFIG).state_dict()
+        shapes = model_class(config)(config).state_dict()
     generator = torch.Generator().manual_seed(0)
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for seed, (name, tensor) in enumerate(sorted(shapes.items())):
-        if tensor.dim() == 2 and name != "model.embed_tokens.weight":
-            rows, k = tensor.shape
-            weights[name] = QuantizedTensor(
-                ggml_type, (rows, k), random_gguf_blocks(ggml_type, rows, k, seed, edges=False)
-            )
+        if tensor.dim() >= 2 and name != "model.embed_tokens.weight" and not name.endswith("mlp.gate.weight"):
+            rows, k = tensor.shape[:-1].numel(), tensor.shape[-1]
+            kind = "Q6_K" if name.endswith("experts.down_proj.weight") else ggml_type
+            blocks = random_gguf_blocks(kind, rows, k, seed, edges=False)
+            weights[name] = QuantizedTensor(kind, tuple(tensor.shape), blocks)
         else:
             weights[name] = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
     tokenizer = TokenizerInfo("{}", None, None, None, False, ())
-    source = ModelSource("kquant", Path("kquant.gguf"), CONFIG, weights, tokenizer)
+    source = ModelSource("kquant", Path("kquant.gguf"), config, weights, tokenizer)
     floats = source.float_weights()
-    optimized = optimize(CONFIG, floats, PipelineOptions(opt_level=2, quantization="auto"), source)
+    optimized = optimize(config, floats, PipelineOptions(opt_level=2, quantization="auto"), source)
     assert optimized.quantization == "gguf"
     return optimized.program
 
@@ -75,10 +87,20 @@ def _logits(executable, num_rows: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_tvm_and_onnxruntime_match_the_reference(ggml_type: str, tmp_path: Path, random_gguf_blocks) -> None:
+    _check_backends(_program(ggml_type, random_gguf_blocks), ggml_type, tmp_path)
+
+
+def test_q4_k_m_experts(tmp_path: Path, random_gguf_blocks) -> None:
+    program = _program("Q4_K", random_gguf_blocks, MOE_CONFIG)
+    moe = next(node for node in program.graph.nodes if node.op == "quantized_moe")
+    assert (moe.attrs["gate"]["bits"], moe.attrs["down"].get("value_bits")) == (4, 6)
+    _check_backends(program, "Q4_K / Q6_K experts", tmp_path)
+
+
+def _check_backends(program, ggml_type: str, tmp_path: Path) -> None:
     from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
     from kiln.backends.tvm.backend import TVMBackend
 
-    program = _program(ggml_type, random_gguf_blocks)
     reference = ReferenceExecutable(program.graph, program.weights)
     executables = {}
     for backend in (TVMBackend(), OnnxRuntimeBackend()):

@@ -51,7 +51,7 @@ def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other
 
 
 # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
-NEW_FAMILIES = ["qwen3", "gemma3", "phi3"]
+NEW_FAMILIES = ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmoe"]
 
 
 @needs_nvcc
