@@ -342,6 +342,13 @@ def _inspect(args: argparse.Namespace) -> int:
         f"/{config.num_key_value_heads} kv, head_dim {config.head_dim}, vocab {config.vocab_size}, "
         f"tied {config.tie_word_embeddings}, sliding_window {config.sliding_window}"
     )
+    if config.num_experts:
+        moe_layers = sum(config.is_moe(layer) for layer in range(config.num_hidden_layers))
+        print(
+            f"experts {config.num_experts}, {config.num_experts_per_tok} a token "
+            f"({'renormalised' if config.norm_topk_prob else 'not renormalised'}), each "
+            f"{config.expert_intermediate_size} wide, in {moe_layers} of {config.num_hidden_layers} layers"
+        )
     if args.ir:
         print(print_graph(built.program.graph), end="")
     before, after = built.captured, built.program

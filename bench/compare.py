@@ -15,7 +15,9 @@ requests (--stream-input-len in, --stream-output-len out, EOS ignored) through t
 (llama.cpp: one context with --streams sequences, batched llama_decode); each against llama.cpp
 (the reference row where llama.cpp is missing); then the memory-bandwidth floor: the weights' bytes
 (read once per decode step) over the measured copy bandwidth, the decode tokens/s no kernel can beat
-(unless the weights sit in the CPU's cache). Prefill and decode are medians of --repeats, throughput of
+(unless the weights sit in the CPU's cache); for a mixture-of-experts model the bytes count top_k of
+the E experts' weights (what a decode token reads) and a note gives the dense-equivalent bytes (every
+expert). Prefill and decode are medians of --repeats, throughput of
 --stream-repeats; a row stops repeating once a kind of run has taken --row-budget seconds (noted).
 """
 
@@ -75,6 +77,7 @@ class Result:
     decode: float | None = None
     streams: float | None = None
     weight_bytes: int | None = None
+    dense_bytes: int | None = None  # a mixture of experts: every expert's weights read, as a dense model
     error: str | None = None  # the whole row is n/a
     notes: list[str] = field(default_factory=list)
 
@@ -192,13 +195,23 @@ def _header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _decode_bytes(sizes: dict[str, tuple[int, int]], gather_only: set[str]) -> int:
+def _decode_bytes(
+    sizes: dict[str, tuple[int, int]], gather_only: set[str], experts: Callable[[str], bool], share: float
+) -> int:
     """Weight bytes one decode step reads: every tensor once, but one row of each table that is only
-    gathered (name → (bytes, rows))."""
-    return sum(size // rows if name in gather_only else size for name, (size, rows) in sizes.items())
+    gathered (name → (bytes, rows)), and `share` (top_k / E) of the tensors of stacked experts."""
+    total = 0.0
+    for name, (size, rows) in sizes.items():
+        total += size // rows if name in gather_only else size * (share if experts(name) else 1.0)
+    return int(total)
 
 
-def _artifact_decode_bytes(path: Path) -> int:
+def _expert_share(config: dict[str, Any]) -> float:
+    experts = int(config.get("num_experts") or 0)
+    return int(config.get("num_experts_per_tok") or 0) / experts if experts else 1.0
+
+
+def _artifact_decode_bytes(path: Path, config: dict[str, Any]) -> tuple[int, int]:
     """From the artifact's weights file; a table only gathered from is counted one row: a float X
     beside a quantized X.qweight, and the token embedding where the LM head has weights of its own
     (untied, or the gguf import's quantized copy of a tied table)."""
@@ -209,7 +222,14 @@ def _artifact_decode_bytes(path: Path) -> int:
     own_head = any(name.startswith("lm_head.weight") for name in sizes)
     embedding = {"model.embed_tokens.weight"} if own_head else set()
     gathered = {name for name in sizes if f"{name}.qweight" in sizes} | embedding
-    return _decode_bytes(sizes, gathered)
+
+    def experts(name: str) -> bool:
+        return ".mlp.experts." in name
+
+    return (
+        _decode_bytes(sizes, gathered, experts, _expert_share(config)),
+        _decode_bytes(sizes, gathered, experts, 1.0),
+    )
 
 
 # -- measuring a kiln artifact ---------------------------------------------------------------------
@@ -284,10 +304,12 @@ def _streams(
 def _measure_kiln(
     result: Result, folder: Path, prompt: list[int], args: argparse.Namespace, rounds: list[list[list[int]]]
 ) -> None:
-    from kiln.runtime.artifact import load_artifact
+    from kiln.runtime.artifact import load_artifact, read_manifest
 
     artifact = load_artifact(folder)
-    result.weight_bytes = _artifact_decode_bytes(folder / artifact.target_entry["weights"])
+    config = read_manifest(folder)["model"]["config"]
+    weights = folder / artifact.target_entry["weights"]
+    result.weight_bytes, result.dense_bytes = _artifact_decode_bytes(weights, config)
     executable = artifact.executable
     _prefill_decode(executable, prompt[:64], 4)  # warm up (first-call allocations, thread pools)
     runs = _runs(lambda: _prefill_decode(executable, prompt, args.decode_len), args.repeats, args.row_budget)
@@ -407,15 +429,28 @@ def _llama_worker() -> None:
     print(json.dumps(out), flush=True)
 
 
-def _gguf_decode_bytes(path: Path) -> int | None:
-    """token_embd is the LM head too unless the file has an output.weight (then only a row is read)."""
+def _gguf_decode_bytes(path: Path) -> tuple[int, int] | None:
+    """(decode bytes, dense-equivalent bytes). token_embd is the LM head too unless the file has an
+    output.weight (then only a row is read); `*_exps` tensors hold the experts."""
     try:
         from gguf import GGUFReader
     except ImportError:
         return None
-    tensors = GGUFReader(str(path)).tensors
-    sizes = {t.name: (int(t.n_bytes), max(1, int(t.shape[-1]))) for t in tensors}  # shape: ne, fastest first
-    return _decode_bytes(sizes, {"token_embd.weight"} if "output.weight" in sizes else set())
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def number(key: str) -> int:
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.parts[-1][0]) if field is not None else 0
+
+    share = number("expert_used_count") / number("expert_count") if number("expert_count") else 1.0
+    sizes = {t.name: (int(t.n_bytes), max(1, int(t.shape[-1]))) for t in reader.tensors}  # ne, fastest first
+    gathered = {"token_embd.weight"} if "output.weight" in sizes else set()
+
+    def experts(name: str) -> bool:
+        return "_exps." in name
+
+    return _decode_bytes(sizes, gathered, experts, share), _decode_bytes(sizes, gathered, experts, 1.0)
 
 
 def _measure_llama_cpp(
@@ -459,7 +494,7 @@ def _measure_llama_cpp(
     )
     if "streams_error" in out:
         result.notes.append(f"{args.streams}-stream n/a ({out['streams_error'][:160]})")
-    result.weight_bytes = _gguf_decode_bytes(gguf)
+    result.weight_bytes, result.dense_bytes = _gguf_decode_bytes(gguf) or (None, None)
     _say(f"[{LLAMA_CPP}] prefill {result.prefill:.1f}, decode {result.decode:.1f}, streams {result.streams}")
 
 
@@ -657,6 +692,12 @@ def main() -> None:
             f"last-level cache {cache / (1 << 20):.0f} MiB: the weights of {', '.join(small)} fit in it, so "
             "their steps may read weights from cache, not DRAM, and beat the ceiling"
         )
+    notes += [
+        f"{r.key}: decode reads {r.weight_bytes / (1 << 20):.1f} MiB of weights a token (the chosen experts "
+        f"only); dense-equivalent (every expert) {r.dense_bytes / (1 << 20):.1f} MiB"
+        for r in results
+        if r.weight_bytes and r.dense_bytes and r.dense_bytes != r.weight_bytes
+    ]
     notes += [f"{r.key}: {note}" for r in results for note in r.notes]
     for note in notes:
         print(f"* {note}")
