@@ -34,6 +34,7 @@ class PipelineOptions:
     quantization: str | None = None
     group_size: int = 32
     dtype: str = "f32"
+    context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
 
 
 @dataclass
@@ -100,8 +101,12 @@ def optimize(
     source: ModelSource | None = None,
     progress: Progress | None = None,
 ) -> Optimized:
-    """Capture the model of `config` with float32 `weights`, then run the pass pipeline."""
+    """Capture the model of `config` with float32 `weights`, then run the pass pipeline. With a
+    `context_len` below the model's maximum the model is captured for that context (longrope then takes
+    its short factors when the context fits the original one)."""
     start = time.perf_counter()
+    if options.context_len is not None and options.context_len < config.max_position_embeddings:
+        config = dataclasses.replace(config, max_position_embeddings=options.context_len)
     captured = capture_weights(config, weights)
     captured_program = Program(captured.graph, captured.weights)
     captured_at = time.perf_counter()

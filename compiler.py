@@ -66,7 +66,9 @@ class CompileOptions:
 
     @property
     def pipeline(self) -> PipelineOptions:
-        return PipelineOptions(self.opt_level, self.quantization, self.group_size, self.dtype)
+        return PipelineOptions(
+            self.opt_level, self.quantization, self.group_size, self.dtype, self.max_model_len
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +21,24 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SLIDING_LAYER = "sliding_attention"  # HF `layer_types`
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """HF `rope_scaling` for the kinds we support ("default" means none)."""
+    """HF `rope_scaling` for the kinds we support ("default" means none). longrope (Phi-3): a factor per
+    frequency pair, the short ones for contexts within original_max_position_embeddings, the long ones
+    beyond, and cos and sin scaled by attention_factor."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
-        data["rope_scaling"] = RopeScaling(**data.get("rope_scaling") or {})
+        rope = dict(data.get("rope_scaling") or {})
+        for name in ("short_factor", "long_factor"):
+            rope[name] = tuple(rope.get(name) or ())
+        data["rope_scaling"] = RopeScaling(**rope)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
         data["layer_types"] = tuple(data.get("layer_types") or ())
         data["mlp_only_layers"] = tuple(data.get("mlp_only_layers") or ())
@@ -128,10 +137,17 @@ def check_architecture(name: str, where: str) -> str:
     return name
 
 
-def rope_scaling_from_hf(raw: dict[str, Any] | None, where: str) -> RopeScaling:
+def rope_scaling_from_hf(
+    raw: dict[str, Any] | None, where: str, config: dict[str, Any] | None = None
+) -> RopeScaling:
+    """`config`: the whole config.json, for longrope's context lengths."""
     if not raw:
         return RopeScaling()
     rope_type = raw.get("rope_type", raw.get("type", "default"))
+    if rope_type == "su":  # longrope's earlier name
+        rope_type = "longrope"
+    if rope_type == "longrope":
+        return _longrope_from_hf(raw, config or {}, where)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{where}: rope scaling {rope_type!r} is not supported",
@@ -143,6 +159,31 @@ def rope_scaling_from_hf(raw: dict[str, Any] | None, where: str) -> RopeScaling:
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def longrope_attention_factor(scale: float, original: int) -> float:
+    """HF's default: sqrt(1 + ln(scale) / ln(original)), scale the context's growth (1 when <= 1)."""
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
+def _longrope_from_hf(raw: dict[str, Any], config: dict[str, Any], where: str) -> RopeScaling:
+    original = raw.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if not original or not raw.get("short_factor") or not raw.get("long_factor"):
+        raise ModelLoadError(
+            f"{where}: longrope needs short_factor, long_factor and original_max_position_embeddings",
+            hint="the config is incomplete; use the model's config.json as published",
+        )
+    factor = raw.get("factor") or int(config.get("max_position_embeddings", original)) / int(original)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = longrope_attention_factor(float(factor), int(original))
+    return RopeScaling(
+        rope_type="longrope",
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(f) for f in raw["short_factor"]),
+        long_factor=tuple(float(f) for f in raw["long_factor"]),
+        attention_factor=float(attention),
     )
 
 
@@ -191,7 +232,7 @@ def config_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_scaling=rope_scaling_from_hf(rope_raw, where),
+            rope_scaling=rope_scaling_from_hf(rope_raw, where, raw),
             sliding_window=int(sliding_window) if sliding_window else None,
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,

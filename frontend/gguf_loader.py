@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError, UnsupportedArchitectureError
-from kiln.frontend.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from kiln.frontend.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    longrope_attention_factor,
+)
 from kiln.frontend.models import adapt_gguf_weights
 from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
 
@@ -97,7 +102,9 @@ def _layer_names(family: str, qk_norm: bool, moe: bool = False) -> dict[str, str
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may write that carry no model weight: the llama3 rope factors (read into the config)
 # and the rotary inverse frequencies of old conversions.
-_SKIPPED_TENSORS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
+_SKIPPED_TENSORS = re.compile(
+    r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd(\.weight)?"
+)
 
 
 def load_gguf(path: Path) -> ModelSource:
@@ -218,11 +225,6 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         return any(name.endswith(suffix) for name in tensor_names)
 
     family = SUPPORTED_ARCHITECTURES[architecture]
-    if has("rope_factors_long.weight") or has("rope_factors_short.weight"):
-        raise ModelLoadError(
-            f"{where}: longrope (rope_factors_long / rope_factors_short) is not supported yet",
-            hint="use a model without long-context rope scaling (Phi-3-mini-4k, not -128k)",
-        )
     sliding_window = optional("attention.sliding_window")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
@@ -304,7 +306,10 @@ def _eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float, where: str) -> RopeScaling:
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(reader, f"{arch}.rope.scale_linear")
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        return _longrope(reader, arch, tensors, where)
+    rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
         original = int(_field(reader, f"{arch}.rope.scaling.original_context_length") or 8192)
         return _llama3_rope_scaling(np.asarray(rope_freqs.data, np.float32), head_dim, theta, original, where)
@@ -315,6 +320,36 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
     raise ModelLoadError(
         f"{where}: rope scaling {kind!r} is not supported",
         hint="supported rope scaling: none, linear, llama3 (rope_freqs tensor)",
+    )
+
+
+def _longrope(
+    reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.ReaderTensor], where: str
+) -> RopeScaling:
+    """Phi-3's longrope: the factor tensors llama.cpp's converter writes, and the original context."""
+    missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in tensors]
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if missing or not original:
+        raise ModelLoadError(
+            f"{where}: longrope needs both rope factor tensors and "
+            f"{arch}.rope.scaling.original_context_length"
+            + (f" (missing {', '.join(missing)})" if missing else ""),
+            hint="the file is incomplete; convert the model again with llama.cpp's convert_hf_to_gguf.py",
+        )
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is None:
+        context = int(_require(reader, f"{arch}.context_length", where))
+        attention = longrope_attention_factor(context / int(original), int(original))
+
+    def factors(name: str) -> tuple[float, ...]:
+        return tuple(float(f) for f in np.asarray(tensors[name].data, np.float32).reshape(-1))
+
+    return RopeScaling(
+        rope_type="longrope",
+        original_max_position_embeddings=int(original),
+        short_factor=factors("rope_factors_short.weight"),
+        long_factor=factors("rope_factors_long.weight"),
+        attention_factor=float(attention),
     )
 
 

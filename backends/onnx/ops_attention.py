@@ -18,6 +18,7 @@ The indices (sequence of each token, padded rows, positions, masks) are built on
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,6 +124,10 @@ def _rope_tables(
     )
     angles = b.op("Unsqueeze", b.op("Concat", freqs, freqs, axis=-1), b.const([1]))
     cos, sin = b.op("Cos", angles), b.op("Sin", angles)
+    scale = float(attrs.get("attention_factor", 1.0))
+    if scale != 1.0:
+        factor = b.const(np.array(scale, np.float32), np.float32)
+        cos, sin = b.op("Mul", cos, factor), b.op("Mul", sin, factor)
     if dtype != "f32":
         cos, sin = b.op("Cast", cos, to=ONNX_DTYPES[dtype]), b.op("Cast", sin, to=ONNX_DTYPES[dtype])
     return cos, sin
@@ -139,7 +144,7 @@ def rope(
 ) -> str:
     """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]."""
     b = ctx.b
-    key = ("rope", positions, tuple(sorted(attrs.items())), head_dim, dtype)
+    key = ("rope", positions, json.dumps(attrs, sort_keys=True), head_dim, dtype)
     cos, sin = ctx.cached(key, lambda: _rope_tables(ctx, positions, attrs, head_dim, dtype))
     first, second = b.node("Split", [x], 2, axis=-1, num_outputs=2)
     rotated = b.op("Concat", b.op("Neg", second), first, axis=-1)

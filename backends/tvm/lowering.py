@@ -372,10 +372,11 @@ def _rope_call(
     heads, head_dim = int(x_type.shape[1]), int(x_type.shape[2])
     inv_freq = rope_inv_freq(head_dim, **attrs).numpy()
     table = rowwise.rope_tables(head_dim, inv_freq)
+    scale = float(attrs.get("attention_factor", 1.0))
     kernel = lw.kernel(
         "rope",
-        (heads, head_dim, x_type.dtype),
-        lambda: rowwise.rope_kernel(heads, head_dim, x_type.dtype),
+        (heads, head_dim, x_type.dtype, scale),
+        lambda: rowwise.rope_kernel(heads, head_dim, x_type.dtype, scale),
         {},
     )
     return lw.emit(relax.call_tir(kernel, [x, positions, relax.const(table)], lw.sinfo(x_type)))

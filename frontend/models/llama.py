@@ -27,10 +27,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, eps=self.eps)
 
 
-def _rope_scaling_attrs(scaling: RopeScaling) -> dict[str, float | str]:
+def _rope_scaling_attrs(scaling: RopeScaling, context: int) -> dict[str, float | str | list[float]]:
+    """`context`: the longest sequence the model serves; longrope takes its long factors beyond the
+    original context (as llama.cpp chooses by its context size; HF by each sequence's length)."""
     if scaling.rope_type == "default":
         return {}
-    attrs: dict[str, float | str] = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+    if scaling.rope_type == "longrope":
+        long = context > scaling.original_max_position_embeddings
+        factors = scaling.long_factor if long else scaling.short_factor
+        return {
+            "rope_type": "longrope",
+            "factors": list(factors),
+            "attention_factor": scaling.attention_factor,
+        }
+    attrs: dict[str, float | str | list[float]] = {"rope_type": scaling.rope_type, "factor": scaling.factor}
     if scaling.rope_type == "llama3":
         attrs |= {
             "low_freq_factor": scaling.low_freq_factor,
@@ -51,7 +61,8 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_window_of(layer)
         local = config.is_local(layer)  # Gemma's sliding layers: their own rope base, unscaled
         theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
-        self.rope_attrs = {"theta": theta} | ({} if local else _rope_scaling_attrs(config.rope_scaling))
+        scaling = {} if local else _rope_scaling_attrs(config.rope_scaling, config.max_position_embeddings)
+        self.rope_attrs = {"theta": theta} | scaling
         hidden, q_size, kv_size = (
             config.hidden_size,
             self.num_heads * self.head_dim,

@@ -11,7 +11,7 @@ import torch
 from kiln.ir.ops.registry import OpDef, register, require, required
 from kiln.ir.types import FLOAT_DTYPES, TensorType, shape_text
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inv_freq(
@@ -23,9 +23,13 @@ def rope_inv_freq(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
     original_max_position_embeddings: int = 8192,
+    factors: Sequence[float] | None = None,
+    attention_factor: float = 1.0,  # scales cos and sin (rope), not the frequencies
 ) -> torch.Tensor:
     """Per-pair rotation frequencies, float32, as HF computes them for each rope type."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if rope_type == "longrope":  # each pair's wavelength stretched by its factor (Phi-3)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / factor
@@ -53,8 +57,11 @@ def rope(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
     original_max_position_embeddings: int = 8192,
+    factors: Sequence[float] | None = None,
+    attention_factor: float = 1.0,
 ) -> torch.Tensor:
-    """Rotate x[T, heads, head_dim] by position, in the "rotate half" (non-interleaved) layout."""
+    """Rotate x[T, heads, head_dim] by position, in the "rotate half" (non-interleaved) layout; cos and
+    sin scaled by `attention_factor` (longrope)."""
     head_dim = x.shape[-1]
     inv_freq = rope_inv_freq(
         head_dim,
@@ -64,10 +71,12 @@ def rope(
         low_freq_factor=low_freq_factor,
         high_freq_factor=high_freq_factor,
         original_max_position_embeddings=original_max_position_embeddings,
+        factors=factors,
     )
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     half = head_dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -85,6 +94,12 @@ def _infer_rope(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> l
     require(attrs.get("rope_type", "default") in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}")
     head_dim = x.shape[2]
     require(isinstance(head_dim, int) and head_dim % 2 == 0, "head_dim must be a known even number")
+    if attrs.get("rope_type") == "longrope":
+        factors = attrs.get("factors")
+        require(
+            isinstance(factors, list) and isinstance(head_dim, int) and len(factors) == head_dim // 2,
+            f"longrope needs `factors`: one per pair of head_dim {head_dim}",
+        )
     return [TensorType(x.dtype, x.shape)]
 
 
@@ -94,11 +109,13 @@ register(
         (2, 2),
         {
             "theta": "rope base",
-            "rope_type": "default | linear | llama3",
+            "rope_type": "default | linear | llama3 | longrope",
             "factor": "scaling factor (linear, llama3)",
             "low_freq_factor": "llama3",
             "high_freq_factor": "llama3",
             "original_max_position_embeddings": "llama3",
+            "factors": "longrope: each frequency pair's divisor (Phi-3's short or long factors)",
+            "attention_factor": "longrope: cos and sin scaled by it",
         },
         _infer_rope,
         rope,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,11 @@ COMMON = dict(
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
+LONGROPE = {  # head_dim 16: 8 frequency pairs
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.2, 1.6, 2.0, 2.5, 3.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
+}
 TINY_MODELS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
@@ -53,6 +59,11 @@ TINY_MODELS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    "phi3_longrope": (  # every test sequence is longer than the original 8 positions: the long factors
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"pad_token_id": 0, "original_max_position_embeddings": 8, "rope_scaling": LONGROPE},
+    ),
     "gemma3": (  # a window shorter than the prompts, soft-capping on, its own attention scale
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,
@@ -97,11 +108,13 @@ RAGGED_TABLES = {"a": [3, 7], "b": [1, 5, 9], "c": [2, 8, 4]}
 RAGGED_CACHE_BLOCKS = 10
 
 
-def save_tiny_hf(kind: str, path: Path) -> torch.nn.Module:
-    """A random-weight transformers model of `kind`, saved with its tokenizer at `path`."""
+def save_tiny_hf(kind: str, path: Path, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
+    """A random-weight transformers model of `kind` (its config `overrides` applied), saved with its
+    tokenizer at `path`."""
     config_cls, model_cls, extra = TINY_MODELS[kind]
     torch.manual_seed(0)
-    model = model_cls._from_config(config_cls(**{**COMMON, **extra}), attn_implementation="eager").eval()
+    config = config_cls(**{**COMMON, **extra, **(overrides or {})})
+    model = model_cls._from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # biases and norm weights start at 0 and 1: make them random too
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -166,7 +179,7 @@ def tiny_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_hf() -> Callable[[str, Path], torch.nn.Module]:
+def tiny_hf() -> Callable[..., torch.nn.Module]:
     return save_tiny_hf
 
 

@@ -429,10 +429,32 @@ def test_phi3_fused_weights_are_split(tmp_path: Path, ggml_type: str) -> None:
             assert ours.shape == theirs.shape and np.array_equal(ours.blocks, theirs.blocks), name
 
 
-def test_longrope_is_refused(tmp_path: Path) -> None:
+def test_longrope_factors_and_attention_factor(tmp_path: Path) -> None:
+    short, long = np.linspace(1, 2, HEAD_DIM // 2), np.linspace(1, 8, HEAD_DIM // 2)
+    factors = {
+        "rope_factors_short.weight": short.astype(np.float32),
+        "rope_factors_long.weight": long.astype(np.float32),
+    }
+    metadata = {"phi3.rope.scaling.original_context_length": 64, "phi3.rope.scaling.attn_factor": 1.19}
+    path = write_gguf(
+        tmp_path / "phi3.gguf",
+        _fused_phi3(tiny_weights()),
+        arch="phi3",
+        extra_tensors=factors,
+        metadata=metadata,
+    )
+    source = load_gguf(path)
+    scaling = source.config.rope_scaling
+    assert (scaling.rope_type, scaling.original_max_position_embeddings) == ("longrope", 64)
+    assert np.allclose(scaling.short_factor, short) and np.allclose(scaling.long_factor, long)
+    assert scaling.attention_factor == pytest.approx(1.19)
+    assert not any("rope_factors" in name for name in source.weights)
+
+
+def test_longrope_without_its_original_context_is_refused(tmp_path: Path) -> None:
     factors = {"rope_factors_long.weight": np.ones(HEAD_DIM // 2, np.float32)}
     path = write_gguf(tmp_path / "phi3.gguf", _fused_phi3(tiny_weights()), arch="phi3", extra_tensors=factors)
-    with pytest.raises(ModelLoadError, match="longrope"):
+    with pytest.raises(ModelLoadError, match="longrope needs both rope factor tensors"):
         load_gguf(path)
 
 

@@ -73,8 +73,9 @@ def rope_tables(head_dim: int, inv_freq: np.ndarray) -> np.ndarray:
     return np.concatenate([inv_freq, inv_freq]).astype(np.float32).reshape(head_dim)
 
 
-def rope_kernel(heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
-    """(x[n, heads, head_dim], positions[n], frequency[head_dim]) -> rotated x, "rotate half" layout."""
+def rope_kernel(heads: int, head_dim: int, dtype: str, scale: float = 1.0) -> tirx.PrimFunc:
+    """(x[n, heads, head_dim], positions[n], frequency[head_dim]) -> rotated x, "rotate half" layout;
+    cos and sin times `scale` (longrope's attention factor)."""
     float_dtype = DTYPE_NAMES[dtype]
     rows = tirx.Var("n", "int64")
     x = te.placeholder((rows, heads, head_dim), float_dtype, name="x")
@@ -82,10 +83,17 @@ def rope_kernel(heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
     table = te.placeholder((head_dim,), "float32", name="frequency")
     half = head_dim // 2
     angle = te.compute((rows, head_dim), lambda i, d: positions[i].astype("float32") * table[d], name="angle")
-    cos = te.compute(
-        (rows, head_dim), lambda i, d: tirx.cos(angle[i, d]), name="cos"
-    )  # once a row, not a head
-    sin = te.compute((rows, head_dim), lambda i, d: tirx.sin(angle[i, d]), name="sin")
+    factor = tirx.const(scale, "float32")
+    cos = te.compute(  # once a row, not a head
+        (rows, head_dim),
+        lambda i, d: tirx.cos(angle[i, d]) * factor if scale != 1.0 else tirx.cos(angle[i, d]),
+        name="cos",
+    )
+    sin = te.compute(
+        (rows, head_dim),
+        lambda i, d: tirx.sin(angle[i, d]) * factor if scale != 1.0 else tirx.sin(angle[i, d]),
+        name="sin",
+    )
     out = te.compute(
         (rows, heads, head_dim),
         lambda i, h, d: (

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.build import runtime_tokenizer
+from kiln.build import PipelineOptions, optimize, runtime_tokenizer
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 
@@ -62,3 +62,28 @@ def test_engine_batch_invariance_for_each_family(
     captured = capture_weights(source.config, source.float_weights())
     executable = ReferenceExecutable(captured.graph, captured.weights)
     check_batch_invariance(executable, runtime_tokenizer(source), tiny_kind, vocab=source.config.vocab_size)
+
+
+def test_longrope_within_the_original_context_takes_the_short_factors(
+    tmp_path: Path, tiny_hf, ragged
+) -> None:
+    """Compiled for a context no longer than the original one (here 64 of 512 positions), a longrope
+    model rotates by its short factors and scales cos and sin by the attention factor, as transformers
+    does for sequences within the original context."""
+    hf_model = tiny_hf("phi3_longrope", tmp_path, {"original_max_position_embeddings": 64})
+    source = load_model(str(tmp_path))
+    scaling = source.config.rope_scaling
+    assert scaling.rope_type == "longrope" and scaling.attention_factor > 1.0
+    program = optimize(
+        source.config, source.float_weights(), PipelineOptions(opt_level=0, context_len=64)
+    ).program
+    rope = next(n for n in program.graph.nodes if n.op == "rope")
+    assert rope.attrs["factors"] == list(scaling.short_factor)
+    executable = ReferenceExecutable(program.graph, program.weights)
+    tokens, first, second = ragged(7)
+    kv_cache = executable.kv_cache_spec.allocate(10, 16)
+    executable.step(first, kv_cache)
+    logits = executable.step(second, kv_cache)
+    for row, name in enumerate(("a", "b", "c")):
+        expected = _hf_last_logits(hf_model, tokens[name])
+        assert _relative_error(logits[row], expected) < TOLERANCE, name
