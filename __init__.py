@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from kiln.runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from kiln.runtime.sampling_params import StructuredOutput
+
+        return StructuredOutput
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

@@ -159,6 +159,7 @@ class LLM:
             self.artifact.model_id,
             self.artifact.max_model_len,
             config,
+            vocab_size=self.artifact.vocab_size,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()

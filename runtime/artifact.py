@@ -119,6 +119,11 @@ class LoadedArtifact:
         return int(self.manifest["limits"]["max_model_len"])
 
     @property
+    def vocab_size(self) -> int:
+        """The LM head's rows: the width of the logits."""
+        return int(self.manifest["model"]["config"]["vocab_size"])
+
+    @property
     def target_entry(self) -> dict[str, Any]:
         return self.manifest["targets"][self.target.name]
 

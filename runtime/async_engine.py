@@ -72,6 +72,8 @@ class AsyncEngine:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         token_ids, _ = self.engine.validate(prompt, params)
+        if params.structured_output is not None:  # compiled off the engine loop; a GrammarError is a 400
+            await asyncio.wrap_future(self.engine.grammars.submit(params.structured_output))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             self._raise_if_dead()

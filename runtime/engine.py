@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, SequenceStatus
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.runtime.structured_output import Grammars
 from kiln.runtime.tokenizer import Tokenizer
 
 
@@ -36,6 +38,7 @@ class _SequenceState:
     detokenizer: IncrementalDetokenizer
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
+    matcher: Any | None = None  # the structured output's xgrammar matcher
 
 
 class LLMEngine:
@@ -46,7 +49,9 @@ class LLMEngine:
         model_id: str,
         max_model_len: int,
         config: EngineConfig | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """`vocab_size`: the LM head's rows (the logits' width), if more than the tokenizer's."""
         self.config = config or EngineConfig()
         self.executable = executable
         self.tokenizer = tokenizer
@@ -64,6 +69,7 @@ class LLMEngine:
         self._states: dict[str, _SequenceState] = {}
         self._held: dict[str, list[Sequence]] = {}  # n > 1: samples that wait for the prompt's blocks
         self._arrivals = itertools.count()
+        self.grammars = Grammars(tokenizer, max(vocab_size or 0, tokenizer.vocab_size))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -112,6 +118,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, max_tokens = self.validate(prompt, params)
+        constraint = params.structured_output
+        grammar = self.grammars.compile(constraint) if constraint is not None else None
         request = Request(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -137,6 +145,7 @@ class LLMEngine:
                 ),
                 [],
                 [],
+                self.grammars.matcher(grammar) if grammar is not None else None,
             )
         self.requests[request_id] = request
         self.stats.num_prompt_tokens += len(token_ids)
@@ -230,12 +239,18 @@ class LLMEngine:
         self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]], touched: dict[str, Request]
     ) -> None:
         rows = logits[[row for _, row in to_sample]]
-        samplings = [self._states[seq.seq_id].sampling for seq, _ in to_sample]
+        states = [self._states[seq.seq_id] for seq, _ in to_sample]
+        matchers = [state.matcher for state in states]
+        bitmask = self.grammars.bitmask(matchers) if any(m is not None for m in matchers) else None
+        samplings = [state.sampling for state in states]
         eos = self.tokenizer.eos_token_ids
-        for (seq, _), sampled in zip(to_sample, sample(rows, samplings, eos_token_ids=eos), strict=True):
+        sampled_tokens = sample(rows, samplings, eos_token_ids=eos, token_bitmask=bitmask)
+        for (seq, _), sampled, matcher in zip(to_sample, sampled_tokens, matchers, strict=True):
             request = seq.request
             touched[request.request_id] = request
             self._release_held(request)
+            if matcher is not None:
+                matcher.accept_token(sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
 
     def _release_held(self, request: Request) -> None:

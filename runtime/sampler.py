@@ -1,7 +1,8 @@
 """Turn a batch of logits rows into tokens, one row per sequence, each row with its own settings.
 
 The steps run in vLLM's order: logit_bias, min_tokens, penalties (repetition, then frequency and
-presence), then greedy argmax or temperature, top-k, top-p, min-p and a draw. Every step is a pure
+presence), the structured-output token mask, then greedy argmax or temperature, top-k, top-p, min-p
+and a draw. Logprobs are the model's own (before any of these). Every step is a pure
 function of the logits and per-row settings. A row's draw uses only that row's generator, and every
 batched step works row by row, so a seeded sequence samples the same tokens whatever shares its batch.
 """
@@ -38,6 +39,16 @@ class SampledToken:
     top_logprobs: TokenLogprobs | None = None  # chosen token plus the top `params.logprobs`
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bitmask does not allow the token."""
+    rows, vocab = logits.shape
+    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> _BITS) & 1).bool().reshape(rows, -1)[:, :vocab]
+    return logits.masked_fill(~allowed, _NEG_INF)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from `seed`, or from fresh OS randomness when `seed` is None."""
     generator = torch.Generator(device=device)
@@ -49,12 +60,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def sample(
-    logits: torch.Tensor, sequences: Sequence[SequenceSampling], eos_token_ids: Sequence[int] = ()
+    logits: torch.Tensor,
+    sequences: Sequence[SequenceSampling],
+    eos_token_ids: Sequence[int] = (),
+    token_bitmask: torch.Tensor | None = None,
 ) -> list[SampledToken]:
     """One token per row of `logits` [N, vocab]; row i is sampled with `sequences[i]`'s settings.
 
     `eos_token_ids` are banned, with each sequence's stop_token_ids, until it has min_tokens outputs
-    (unless it ignores eos).
+    (unless it ignores eos). `token_bitmask` (int32 [N, ceil(vocab / 32)], xgrammar's layout: bit j of
+    word w allows token 32 w + j) masks each row to the tokens its structured output allows.
     """
     logits = _check_logits(logits, len(sequences))
     raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -69,6 +84,8 @@ def sample(
         frequency_penalties=[p.frequency_penalty for p in params],
         repetition_penalties=[p.repetition_penalty for p in params],
     )
+    if token_bitmask is not None:
+        processed = apply_token_bitmask(processed, token_bitmask)
     token_ids = _choose(processed, sequences)
     chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
     logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()

@@ -2,15 +2,80 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = {  # kind → what its spec holds
+    "json": "a JSON schema (JSON text)",
+    "json_object": "nothing: any JSON object",
+    "regex": "a regular expression",
+    "choice": "a JSON list of the allowed strings",
+    "grammar": "an EBNF (GBNF) grammar",
+}
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (vLLM's structured outputs): its `kind` (STRUCTURED_KINDS)
+    and `spec`, as text so that equal constraints compile once."""
+
+    kind: str
+    spec: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            "structured output kind",
+            f"one of {list(STRUCTURED_KINDS)}",
+            self.kind,
+        )
+        if self.kind == "json_object":
+            return
+        _check(
+            isinstance(self.spec, str) and bool(self.spec),
+            f"the {self.kind} constraint",
+            "non-empty",
+            self.spec,
+        )
+        if self.kind in ("json", "choice"):
+            try:
+                value = json.loads(self.spec or "")
+            except json.JSONDecodeError as error:
+                raise ValueError(f"the {self.kind} constraint is not valid JSON: {error}") from None
+            if self.kind == "json":
+                _check(isinstance(value, dict | bool), "a JSON schema", "an object", value)
+            else:
+                _check(
+                    isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+                    "choice",
+                    "a non-empty list of strings",
+                    value,
+                )
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutput:
+        return cls("choice", json.dumps(options))
+
+    def describe(self) -> str:
+        return {
+            "json": "the JSON schema",
+            "json_object": "the JSON object grammar",
+            "regex": "the regex",
+            "choice": "the choice",
+            "grammar": "the grammar",
+        }[self.kind]
 
 
 @dataclass
@@ -41,6 +106,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -53,6 +53,28 @@ class UsageInfo(ResponseModel):
     total_tokens: int
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(RequestModel):
+    """vLLM's `structured_outputs`: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingExtras(RequestModel):
     """Sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
 
@@ -76,6 +98,61 @@ class SamplingExtras(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint asked for, from whichever field holds it; ValueError for two or more."""
+        found = self.structured_output_fields()
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ValueError(f"give at most one structured output constraint, got {len(found)}: {names}")
+        return found[0][1] if found else None
+
+    def structured_output_fields(self) -> list[tuple[str, StructuredOutput]]:
+        """(the field, its constraint) for each structured output constraint the request gives."""
+        found: list[tuple[str, StructuredOutput]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            found.append(("response_format", StructuredOutput.json_schema(fmt.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            given = {
+                "json": so.json_,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+                "json_object": so.json_object or None,
+            }
+            for kind, spec in given.items():
+                if spec is None:
+                    continue
+                if kind == "json":
+                    constraint = StructuredOutput.json_schema(spec)  # type: ignore[arg-type]
+                elif kind == "choice":
+                    constraint = StructuredOutput.choice(spec)  # type: ignore[arg-type]
+                elif kind == "json_object":
+                    constraint = StructuredOutput("json_object")
+                else:
+                    constraint = StructuredOutput(kind, spec)  # type: ignore[arg-type]
+                found.append((f"structured_outputs.{kind}", constraint))
+        if self.guided_json is not None:
+            found.append(("guided_json", StructuredOutput.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        return found
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with its JSON string keys read as token ids; ValueError names a bad key."""
@@ -112,6 +189,7 @@ class SamplingExtras(RequestModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.structured_output(),
         )
 
 

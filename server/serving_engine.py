@@ -27,6 +27,7 @@ from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.structured_output import GrammarError
 from kiln.server.errors import (
     APIError,
     bad_request,
@@ -122,6 +123,11 @@ class OpenAIServing:
             params = make()
         except ValueError as error:
             raise from_value_error(error) from None
+        if params.structured_output is not None:  # compiled here, off the event loop, and cached
+            try:
+                self.engine.engine.grammars.compile(params.structured_output)
+            except GrammarError as error:
+                raise bad_request(str(error), request.structured_output_fields()[0][0]) from None
         vocab = self.tokenizer.vocab_size
         for token in params.logit_bias or {}:
             if not 0 <= token < vocab:

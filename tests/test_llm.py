@@ -28,6 +28,22 @@ def test_llm_generate_keeps_the_prompt_order(smollm2_gguf_path) -> None:
 
 
 @pytest.mark.slow
+def test_structured_output_offline(smollm2_gguf_path) -> None:
+    llm = kiln.LLM(str(smollm2_gguf_path), num_blocks=128)
+    choice = kiln.SamplingParams(
+        temperature=1.0, seed=1, n=4, structured_output=kiln.StructuredOutput.choice(["cat", "dog"])
+    )
+    outputs = llm.generate("My favourite animal is the", choice)[0].outputs
+    assert len(outputs) == 4 and all(o.text in ("cat", "dog") and o.finish_reason == "stop" for o in outputs)
+    regex = kiln.SamplingParams(
+        temperature=0, max_tokens=20, structured_output=kiln.StructuredOutput("regex", "[0-9]{4}")
+    )
+    assert llm.generate("The year was", regex)[0].outputs[0].text.isdigit()
+    with pytest.raises(ValueError, match="the grammar does not compile"):
+        llm.generate("x", kiln.SamplingParams(structured_output=kiln.StructuredOutput("grammar", "root ::=")))
+
+
+@pytest.mark.slow
 def test_the_default_is_tvm_with_the_gguf_blocks(smollm2_gguf_path, tmp_path) -> None:
     from kiln.llm import OptionsError, describe
     from kiln.runtime.artifact import is_artifact
