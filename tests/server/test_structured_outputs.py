@@ -97,19 +97,30 @@ def test_regex_choice_and_grammar(api_server, temperature: float) -> None:
         assert re.fullmatch(r"(yes|no) [0-9]", grammar.choices[0].text), grammar.choices[0].text
 
 
-def test_json_object_streamed_and_with_n(api_server) -> None:
+def test_streamed_equals_non_streamed_json_object_and_n(api_server) -> None:
     client = _client(api_server)
-    stream = client.chat.completions.create(
+    schema = SCHEMAS[6]
+    asked = {
+        "model": api_server.model,
+        "messages": _messages(schema),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "user", "schema": schema}},
+    }
+    whole = client.chat.completions.create(**asked).choices[0].message.content or ""
+    stream = client.chat.completions.create(**asked, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(whole), schema)
+    reply = client.chat.completions.create(  # any JSON object: short when the prompt asks for it
         model=api_server.model,
-        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
-        max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}],
+        max_tokens=100,
         temperature=0.0,
-        stream=True,
         response_format={"type": "json_object"},
     )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert isinstance(json.loads(text), dict)
-    schema = SCHEMAS[6]
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
     response = client.chat.completions.create(
         model=api_server.model,
         messages=_messages(schema),  # type: ignore[arg-type]
