@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -66,6 +67,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError(
+            f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})"
+        )
     sizes = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -97,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     return 0
 
@@ -488,6 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds requests in flight may take to finish before they are cut (default 30)",
     )
     serve.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto", the default with tools)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic",
+    )
     serve.set_defaults(run=_serve)
 
     compile_ = commands.add_parser("compile", help="compile a model ahead of time into an artifact folder")

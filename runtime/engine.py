@@ -268,7 +268,15 @@ class LLMEngine:
         if seq.params.logprobs is not None and top is not None:
             seq.logprobs.append(top)
             state.new_logprobs.append(top)
-        stop_string = state.detokenizer.add_token(token)
+        params = seq.params
+        ends_on_eos = (
+            token in self.tokenizer.eos_token_ids
+            and not params.ignore_eos
+            and len(seq.output_token_ids) >= params.min_tokens
+        )
+        # the EOS that ends a sequence is not text, even where special tokens are kept (vLLM's way)
+        keep_text = not ends_on_eos or params.include_stop_str_in_output
+        stop_string = state.detokenizer.add_token(token) if keep_text else None
         reason = self._finish_reason(seq, token, stop_string)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason

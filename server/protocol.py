@@ -11,7 +11,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
 
@@ -278,20 +286,66 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("content is required (only an assistant message may leave it out)")
+        return content
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessageParam]
     model: str | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -318,18 +372,45 @@ class ChatCompletionRequest(SamplingExtras):
             raise
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaMessage(ResponseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class _DropUnset(ResponseModel):
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_DropUnset):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropUnset):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_DropUnset):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class TopLogprob(ResponseModel):

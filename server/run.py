@@ -38,11 +38,20 @@ def run_server(
     log_level: str = "info",
     max_request_bytes: int | None = None,
     shutdown_timeout: float = 30.0,
+    auto_tool_parser: str | None = None,
 ) -> None:
-    """`max_request_bytes` None: see `create_app`."""
+    """`max_request_bytes` None: see `create_app`; `auto_tool_parser`: the tool-call parser of
+    tool_choice "auto" (None: auto is refused)."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
-    app = create_app(engine, served_model_name, api_key, max_waiting, max_request_bytes=max_request_bytes)
+    app = create_app(
+        engine,
+        served_model_name,
+        api_key,
+        max_waiting,
+        max_request_bytes=max_request_bytes,
+        auto_tool_parser=auto_tool_parser,
+    )
     config = uvicorn.Config(
         app,
         host=host,

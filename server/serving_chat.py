@@ -1,14 +1,17 @@
-"""POST /v1/chat/completions: the messages through the model's chat template, one engine request with
-n choices, streamed or not.
+"""POST /v1/chat/completions: the messages (and tools) through the model's chat template, one engine
+request with n choices, streamed or not; tool calls read from the text as the request's tool choice
+says (server/tools.py).
 
 A stream opens each choice with a `{"role": "assistant", "content": ""}` delta, then sends content
-deltas, and closes it with its finish_reason. Logprobs take the chat shape: per token its text, logprob
+deltas and each tool call as it completes (its id, type and name, then its arguments), and closes it
+with its finish_reason. Logprobs take the chat shape: per token its text, logprob
 and UTF-8 bytes, with the `top_logprobs` most likely alternatives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -16,6 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.errors import bad_request
 from kiln.server.protocol import (
     ChatCompletionLogProbs,
@@ -26,7 +30,11 @@ from kiln.server.protocol import (
     ChatCompletionStreamResponse,
     ChatCompletionTokenLogprob,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
@@ -41,17 +49,28 @@ from kiln.server.serving_engine import (
     sse_errors,
     until_disconnect,
 )
+from kiln.server.tool_parsers import ParsedCall, ToolCallStream
+from kiln.server.tools import ToolPlan, call_id, plan
+
+
+@dataclasses.dataclass
+class _ChatPrepared:
+    prepared: Prepared
+    tools: ToolPlan
 
 
 class OpenAIServingChat(OpenAIServing):
+    auto_tool_parser: str | None = None  # the --tool-call-parser, with --enable-auto-tool-choice
+
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        prepared = await asyncio.to_thread(self._prepare, request)
+        chat = await asyncio.to_thread(self._prepare, request)
+        prepared, tools = chat.prepared, chat.tools
         hold = self.admit([prepared])
         request_id = self.request_id("chatcmpl")
         stream = self.generate(prepared, request_id)
         created = int(time.time())
         if request.stream:
-            body = sse_errors(self._stream(request, request_id, created, stream), hold)
+            body = sse_errors(self._stream(request, tools, request_id, created, stream), hold)
             hold.release_with(body)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
@@ -62,31 +81,58 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(error) from None
         finally:
             hold.release()
-        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+        return JSONResponse(self._response(request, tools, request_id, created, final).model_dump())
 
-    def _prepare(self, request: ChatCompletionRequest) -> Prepared:
+    def _prepare(self, request: ChatCompletionRequest) -> _ChatPrepared:
         """Templated, tokenized and checked; run off the event loop (long messages take a while)."""
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        params = self.sampling_params(request, request.to_sampling_params)
-        text = self.render_chat(request.messages, request.add_generation_prompt)
+        tools = plan(request, self.auto_tool_parser)
+        if tools.constraint is not None and request.structured_output_fields():
+            raise bad_request(
+                f"tool_choice {tools.mode} cannot be combined with a structured output", "tool_choice"
+            )
+
+        def make() -> SamplingParams:
+            params = request.to_sampling_params()
+            if tools.constraint is not None:
+                return dataclasses.replace(params, structured_output=tools.constraint)
+            if tools.mode == "auto":  # tool-call markers are often special tokens (Qwen's <tool_call>)
+                return dataclasses.replace(params, skip_special_tokens=False)
+            return params
+
+        params = self.sampling_params(request, make)
+        text = self.render_chat(request.messages, request.add_generation_prompt, tools.tools)
         token_ids = self.encode(text, "messages", add_special_tokens=False)
-        return self.check_prompt(token_ids, params, "messages", request.max_tokens_param)
+        prepared = self.check_prompt(token_ids, params, "messages", request.max_tokens_param)
+        return _ChatPrepared(prepared, tools)
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        tools: ToolPlan,
+        request_id: str,
+        created: int,
+        final: RequestOutput,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index,
-                message=ChatMessage(content=output.text),
-                logprobs=self._logprobs(request, output.token_ids, output.logprobs),
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
+        choices = []
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            content: str | None = output.text
+            calls: list[ToolCall] = []
+            if tools.parser is not None:
+                parsed = tools.parser(output.text, True)
+                content = parsed.content if parsed.content.strip() else None
+                calls = [ToolCall(id=call_id(), function=FunctionCall(**vars(c))) for c in parsed.calls]
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=ChatMessage(content=content, tool_calls=calls),
+                    logprobs=self._logprobs(request, output.token_ids, output.logprobs),
+                    finish_reason=_finish_reason(tools, output.finish_reason, bool(calls)),
+                    stop_reason=output.stop_reason,
+                )
             )
-            for output in sorted(final.outputs, key=lambda o: o.index)
-        ]
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=_usage(final)
         )
@@ -94,6 +140,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self,
         request: ChatCompletionRequest,
+        tools: ToolPlan,
         request_id: str,
         created: int,
         stream: AsyncIterator[RequestOutput],
@@ -110,12 +157,25 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             )
         ended: set[int] = set()
+        readers = {i: ToolCallStream(tools.parser) for i in range(request.n)} if tools.parser else {}
+        calls_sent: dict[int, int] = {}
         final = None
         async for output in stream:
             final = output
             for sample in output.outputs:
                 if sample.index in ended:
                     continue
+                reader = readers.get(sample.index)
+                if reader is not None:
+                    content, calls = reader.feed(sample.delta_text, sample.finished)
+                    first_call = calls_sent.get(sample.index, 0)
+                    calls_sent[sample.index] = first_call + len(calls)
+                    for choice in self._tool_call_choices(sample.index, first_call, calls):
+                        yield chunk(choice)
+                    sample = dataclasses.replace(sample, delta_text=content)
+                    if sample.finished:
+                        reason = _finish_reason(tools, sample.finish_reason, calls_sent[sample.index] > 0)
+                        sample = dataclasses.replace(sample, finish_reason=reason)
                 choice = self._delta_choice(request, sample)
                 if choice is None:
                     continue
@@ -128,6 +188,26 @@ class OpenAIServingChat(OpenAIServing):
                     id=request_id, created=created, model=self.model_name, choices=[], usage=_usage(final)
                 )
             )
+
+    @staticmethod
+    def _tool_call_choices(
+        index: int, first: int, calls: list[ParsedCall]
+    ) -> list[ChatCompletionStreamChoice]:
+        """Each call as two deltas: its id, type and name (arguments empty), then its arguments."""
+        choices = []
+        for number, call in enumerate(calls, start=first):
+            header = DeltaToolCall(
+                index=number,
+                id=call_id(),
+                type="function",
+                function=DeltaFunctionCall(name=call.name, arguments=""),
+            )
+            arguments = DeltaToolCall(index=number, function=DeltaFunctionCall(arguments=call.arguments))
+            for delta in (header, arguments):
+                choices.append(
+                    ChatCompletionStreamChoice(index=index, delta=DeltaMessage(tool_calls=[delta]))
+                )
+        return choices
 
     def _delta_choice(
         self, request: ChatCompletionRequest, sample: CompletionOutput
@@ -166,6 +246,14 @@ class OpenAIServingChat(OpenAIServing):
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, object]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finish_reason(tools: ToolPlan, reason: str | None, called: bool) -> str | None:
+    """ "tool_calls" where the model chose to call (auto, required) and was not cut short; a named
+    tool's call ends with "stop", as OpenAI's do."""
+    if called and reason == "stop" and tools.mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
 
 
 def _usage(final: RequestOutput) -> UsageInfo:

@@ -38,6 +38,7 @@ from kiln.server.errors import (
 )
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import ChatMessageParam, SamplingExtras
+from kiln.server.tools import template_messages
 
 T = TypeVar("T")
 
@@ -127,7 +128,8 @@ class OpenAIServing:
             try:
                 self.engine.engine.grammars.compile(params.structured_output)
             except GrammarError as error:
-                raise bad_request(str(error), request.structured_output_fields()[0][0]) from None
+                fields = request.structured_output_fields()
+                raise bad_request(str(error), fields[0][0] if fields else "tools") from None
         vocab = self.tokenizer.vocab_size
         for token in params.logit_bias or {}:
             if not 0 <= token < vocab:
@@ -168,12 +170,19 @@ class OpenAIServing:
         except Exception as error:  # the tokenizer refused this text
             raise bad_request(f"{param} cannot be tokenized: {error}", param) from None
 
-    def render_chat(self, messages: Sequence[ChatMessageParam], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessageParam],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not messages:
             raise bad_request("messages must hold at least one message", "messages")
-        chat = [{"role": m.role, "content": m.text(), "name": m.name} for m in messages]
+        chat = template_messages(list(messages))
         try:
-            return self.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except KilnError as error:
             raise bad_request(error.one_line(), "messages") from None
         except Exception as error:  # a template that fails on these messages is still a bad request

@@ -140,6 +140,22 @@ def api_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server("--max-model-len", "1024")
 
 
+@pytest.fixture(scope="session")
+def qwen_server() -> Iterator[ServerProcess]:
+    """`kiln serve` on Qwen2.5-Coder-0.5B-Instruct with tool calling on (the hermes parser)."""
+    from kiln.frontend.pull import kiln_home
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    path = kiln_home() / "models" / name / f"{name}-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"{name} not found at {path}; `make test` fetches it (`kiln pull {name}`)")
+    server = ServerProcess(
+        path, "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
+    )
+    yield server
+    server.stop()
+
+
 TINY_MODEL_NAME = "tiny"
 
 
