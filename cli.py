@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -103,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
     return 0
 
@@ -504,6 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split the reply's <think>...</think> into reasoning_content: deepseek_r1, qwen3",
     )
     serve.set_defaults(run=_serve)
 

@@ -39,6 +39,7 @@ class _SequenceState:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
     matcher: Any | None = None  # the structured output's xgrammar matcher
+    matcher_waits: bool = False  # until params.structured_output_after is generated
 
 
 class LLMEngine:
@@ -146,6 +147,7 @@ class LLMEngine:
                 [],
                 [],
                 self.grammars.matcher(grammar) if grammar is not None else None,
+                grammar is not None and params.structured_output_after is not None,
             )
         self.requests[request_id] = request
         self.stats.num_prompt_tokens += len(token_ids)
@@ -240,17 +242,21 @@ class LLMEngine:
     ) -> None:
         rows = logits[[row for _, row in to_sample]]
         states = [self._states[seq.seq_id] for seq, _ in to_sample]
-        matchers = [state.matcher for state in states]
+        matchers = [None if state.matcher_waits else state.matcher for state in states]
         bitmask = self.grammars.bitmask(matchers) if any(m is not None for m in matchers) else None
         samplings = [state.sampling for state in states]
         eos = self.tokenizer.eos_token_ids
         sampled_tokens = sample(rows, samplings, eos_token_ids=eos, token_bitmask=bitmask)
-        for (seq, _), sampled, matcher in zip(to_sample, sampled_tokens, matchers, strict=True):
+        for (seq, _), sampled, matcher, state in zip(
+            to_sample, sampled_tokens, matchers, states, strict=True
+        ):
             request = seq.request
             touched[request.request_id] = request
             self._release_held(request)
             if matcher is not None:
                 matcher.accept_token(sampled.token_id)
+            elif state.matcher_waits and sampled.token_id == seq.params.structured_output_after:
+                state.matcher_waits = False
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
 
     def _release_held(self, request: Request) -> None:

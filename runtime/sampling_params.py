@@ -107,6 +107,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    structured_output_after: int | None = None  # a token id: the constraint starts after it (`</think>`)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

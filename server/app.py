@@ -109,6 +109,7 @@ def create_app(
     *,
     max_request_bytes: int | None = None,
     auto_tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The server for one engine. The caller owns the engine (and shuts it down after the server).
 
@@ -129,6 +130,7 @@ def create_app(
     state.completions = OpenAIServingCompletion(engine, served_model_name, admission, server_metrics)
     state.chat = OpenAIServingChat(engine, served_model_name, admission, server_metrics)
     state.chat.auto_tool_parser = auto_tool_parser
+    state.chat.reasoning_parser = reasoning_parser
     state.tokenization = OpenAIServingTokenization(engine, served_model_name, admission, server_metrics)
     app.include_router(router)
     install_error_handlers(app)

@@ -386,6 +386,8 @@ class ToolCall(ResponseModel):
 class ChatMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser; `reasoning` is vLLM's newer name
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -410,6 +412,8 @@ class DeltaToolCall(_DropUnset):
 class DeltaMessage(_DropUnset):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -39,6 +39,7 @@ def run_server(
     max_request_bytes: int | None = None,
     shutdown_timeout: float = 30.0,
     auto_tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     """`max_request_bytes` None: see `create_app`; `auto_tool_parser`: the tool-call parser of
     tool_choice "auto" (None: auto is refused)."""
@@ -51,6 +52,7 @@ def run_server(
         max_waiting,
         max_request_bytes=max_request_bytes,
         auto_tool_parser=auto_tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     config = uvicorn.Config(
         app,

@@ -38,6 +38,9 @@ from kiln.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from kiln.server.reasoning import END as REASONING_END
+from kiln.server.reasoning import ReasoningStream
+from kiln.server.reasoning import split as split_reasoning
 from kiln.server.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
@@ -61,6 +64,7 @@ class _ChatPrepared:
 
 class OpenAIServingChat(OpenAIServing):
     auto_tool_parser: str | None = None  # the --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # the --reasoning-parser
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat = await asyncio.to_thread(self._prepare, request)
@@ -97,9 +101,12 @@ class OpenAIServingChat(OpenAIServing):
         def make() -> SamplingParams:
             params = request.to_sampling_params()
             if tools.constraint is not None:
-                return dataclasses.replace(params, structured_output=tools.constraint)
+                params = dataclasses.replace(params, structured_output=tools.constraint)
             if tools.mode == "auto":  # tool-call markers are often special tokens (Qwen's <tool_call>)
-                return dataclasses.replace(params, skip_special_tokens=False)
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            if self.reasoning_parser is not None:  # <think> may be special; a grammar starts after it
+                end = self.tokenizer.token_to_id(REASONING_END)
+                params = dataclasses.replace(params, skip_special_tokens=False, structured_output_after=end)
             return params
 
         params = self.sampling_params(request, make)
@@ -118,16 +125,24 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         choices = []
         for output in sorted(final.outputs, key=lambda o: o.index):
-            content: str | None = output.text
+            reasoning, text = (
+                split_reasoning(self.reasoning_parser, output.text, True)
+                if self.reasoning_parser
+                else ("", output.text)
+            )
+            content: str | None = text if text or not self.reasoning_parser else None
             calls: list[ToolCall] = []
             if tools.parser is not None:
-                parsed = tools.parser(output.text, True)
+                parsed = tools.parser(text, True)
                 content = parsed.content if parsed.content.strip() else None
                 calls = [ToolCall(id=call_id(), function=FunctionCall(**vars(c))) for c in parsed.calls]
+            thought = reasoning or None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=output.index,
-                    message=ChatMessage(content=content, tool_calls=calls),
+                    message=ChatMessage(
+                        content=content, reasoning_content=thought, reasoning=thought, tool_calls=calls
+                    ),
                     logprobs=self._logprobs(request, output.token_ids, output.logprobs),
                     finish_reason=_finish_reason(tools, output.finish_reason, bool(calls)),
                     stop_reason=output.stop_reason,
@@ -158,6 +173,11 @@ class OpenAIServingChat(OpenAIServing):
             )
         ended: set[int] = set()
         readers = {i: ToolCallStream(tools.parser) for i in range(request.n)} if tools.parser else {}
+        thinkers = (
+            {i: ReasoningStream(self.reasoning_parser) for i in range(request.n)}
+            if self.reasoning_parser
+            else {}
+        )
         calls_sent: dict[int, int] = {}
         final = None
         async for output in stream:
@@ -165,6 +185,13 @@ class OpenAIServingChat(OpenAIServing):
             for sample in output.outputs:
                 if sample.index in ended:
                     continue
+                thinker = thinkers.get(sample.index)
+                if thinker is not None:
+                    thought, text = thinker.feed(sample.delta_text, sample.finished)
+                    if thought:
+                        delta = DeltaMessage(reasoning_content=thought, reasoning=thought)
+                        yield chunk(ChatCompletionStreamChoice(index=sample.index, delta=delta))
+                    sample = dataclasses.replace(sample, delta_text=text)
                 reader = readers.get(sample.index)
                 if reader is not None:
                     content, calls = reader.feed(sample.delta_text, sample.finished)
