@@ -55,6 +55,27 @@ def test_structured_output_offline(smollm2_gguf_path) -> None:
 
 
 @pytest.mark.slow
+def test_structured_output_survives_preemption(smollm2_gguf_path) -> None:
+    """8 constrained samples in a KV cache too small for all of them: sequences are preempted and
+    recomputed, and every output still matches its constraint."""
+    import re
+
+    llm = kiln.LLM(str(smollm2_gguf_path), num_blocks=24, max_num_seqs=8)
+    pattern = "([a-z]{2,6} ){39}[a-z]{2,6}"
+    params = kiln.SamplingParams(
+        temperature=1.0,
+        seed=7,
+        n=8,
+        max_tokens=300,
+        structured_output=kiln.StructuredOutput("regex", pattern),
+    )
+    outputs = llm.generate("Write forty short words:", params)[0].outputs
+    assert llm.engine.scheduler.num_preemptions > 0
+    for output in outputs:
+        assert output.finish_reason == "stop" and re.fullmatch(pattern, output.text), output.text
+
+
+@pytest.mark.slow
 def test_the_default_is_tvm_with_the_gguf_blocks(smollm2_gguf_path, tmp_path) -> None:
     from kiln.llm import OptionsError, describe
     from kiln.runtime.artifact import is_artifact
