@@ -32,7 +32,12 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop or [],
     )
-    llm = LLM(args.model, max_model_len=args.max_model_len, **_model_options(args))
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        speculative_config=args.speculative_config,
+        **_model_options(args),
+    )
     tokenizer = llm.get_tokenizer()
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -82,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
+        speculative_config=args.speculative_config,
         **_model_options(args),
         **{name: value for name, value in sizes.items() if value is not None},
     )
@@ -107,6 +113,15 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     return 0
+
+
+def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        "\"prompt_lookup_max\": 4}' (greedy requests; drafts from the sequence's own tokens)",
+    )
 
 
 class UsageError(KilnError):
@@ -446,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    _add_speculative_option(generate)
     generate.add_argument("--max-model-len", type=int, default=None)
     _add_model_options(generate)
     generate.set_defaults(run=_generate)
@@ -507,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic",
     )
+    _add_speculative_option(serve)
     serve.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,

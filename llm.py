@@ -36,10 +36,23 @@ from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
+from kiln.runtime.speculative import SpeculativeConfig
 from kiln.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
+
+
+def _speculative(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    if not value:
+        return None
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ValueError, TypeError) as error:
+        raise OptionsError(
+            f"speculative config {value!r}: {error}",
+            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+        ) from None
 
 
 class OptionsError(KilnError):
@@ -135,6 +148,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        speculative_config: str | dict[str, Any] | None = None,
         show_progress: bool = True,
     ) -> None:
         self.artifact = open_model(
@@ -152,6 +166,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            speculative=_speculative(speculative_config),
         )
         self.engine = LLMEngine(
             self.artifact.executable,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kiln.backends.base import KVCacheSpec
 from kiln.runtime.scheduler import SchedulerConfig
+from kiln.runtime.speculative import SpeculativeConfig
 
 DEFAULT_KV_CACHE_FRACTION = 0.5  # the most of the memory available now that the KV cache may take
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer model context is used only when asked for (--max-model-len)
@@ -25,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -4,8 +4,9 @@ update (stops, detokenization, outputs)."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,9 +20,13 @@ from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logpro
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, SequenceStatus
+from kiln.runtime.speculative import propose_ngram
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 from kiln.runtime.structured_output import Grammars
 from kiln.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+SPEC_LOG_EVERY = 200  # speculating sequence-steps between acceptance log lines
 
 
 @dataclass
@@ -30,6 +35,10 @@ class EngineStats:
     num_generation_tokens: int = 0  # tokens sampled
     num_computed_tokens: int = 0  # tokens run through the step (prefix-cache hits are not)
     num_steps: int = 0
+    num_spec_drafts: int = 0  # speculating sequence-steps
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_at: list[int] = field(default_factory=list)  # accepted drafts by position
 
 
 @dataclass
@@ -186,6 +195,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._propose_drafts()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
@@ -194,33 +204,96 @@ class LLMEngine:
         logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
         touched: dict[str, Request] = {}
         to_sample: list[tuple[Sequence, int]] = []
+        to_verify: list[tuple[Sequence, int, int]] = []
         row = 0
         for chunk, piece in zip(scheduled.chunks, slices, strict=True):
             seq = chunk.seq
-            num_prompt_rows = len(piece.logits_at) - (1 if chunk.completes_known_tokens else 0)
+            num_drafts = chunk.num_drafts
+            sampled_rows = 1 + num_drafts if chunk.completes_known_tokens else 0
+            num_prompt_rows = len(piece.logits_at) - sampled_rows
             if num_prompt_rows:
                 self._add_prompt_logprobs(seq.request, chunk, logits[row : row + num_prompt_rows])
                 touched[seq.request.request_id] = seq.request
             row += num_prompt_rows
-            seq.num_computed_tokens += chunk.num_new_tokens
+            seq.num_computed_tokens += chunk.num_new_tokens - num_drafts  # drafts count once accepted
             self.stats.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-            if chunk.completes_known_tokens:
+            if num_drafts:
+                to_verify.append((seq, row, num_drafts))
+            elif chunk.completes_known_tokens:
                 to_sample.append((seq, row))
-                row += 1
+            row += sampled_rows
         if to_sample:
             self._sample_and_update(logits, to_sample, touched)
+        for seq, first_row, num_drafts in to_verify:
+            self._verify(seq, logits[first_row : first_row + num_drafts + 1], num_drafts, touched)
+        for chunk in scheduled.chunks:
+            chunk.seq.draft_token_ids = []
         return [self._output(request) for request in touched.values()]
+
+    def _propose_drafts(self) -> None:
+        """n-gram drafts for the running greedy, unconstrained sequences about to decode one token."""
+        spec = self.config.speculative
+        if spec is None:
+            return
+        for seq in self.scheduler.running:
+            params = seq.params
+            if not params.greedy or params.structured_output is not None:
+                continue
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            limit = min(
+                seq.request.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            seq.draft_token_ids = propose_ngram(seq.all_token_ids, spec, limit)
+
+    def _verify(
+        self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
+    ) -> None:
+        """Take the target's own token at each row while it equals the next draft (speculative.py)."""
+        drafts = seq.draft_token_ids[:num_drafts]
+        state = self._states[seq.seq_id]
+        request = seq.request
+        touched[request.request_id] = request
+        accepted = 0
+        for index in range(num_drafts + 1):
+            (sampled,) = sample(rows[index : index + 1], [state.sampling], self.tokenizer.eos_token_ids)
+            self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if seq.is_finished or index == num_drafts or sampled.token_id != drafts[index]:
+                break
+            accepted += 1
+        self.stats.num_spec_drafts += 1
+        if self.stats.num_spec_drafts % SPEC_LOG_EVERY == 0:
+            self._log_acceptance()
+        self.stats.num_spec_draft_tokens += num_drafts
+        self.stats.num_spec_accepted_tokens += accepted
+        at = self.stats.spec_accepted_at
+        at.extend([0] * (num_drafts - len(at)))
+        for position in range(accepted):
+            at[position] += 1
+        if not seq.is_finished:
+            seq.num_computed_tokens += accepted
+            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+
+    def _log_acceptance(self) -> None:
+        stats = self.stats
+        logger.info(
+            "speculative decoding: %d of %d draft tokens accepted (%.0f%%), %.2f a draft",
+            stats.num_spec_accepted_tokens,
+            stats.num_spec_draft_tokens,
+            100 * stats.num_spec_accepted_tokens / max(1, stats.num_spec_draft_tokens),
+            stats.num_spec_accepted_tokens / max(1, stats.num_spec_drafts),
+        )
 
     def _slice(self, chunk: ScheduledChunk) -> SequenceSlice:
         seq = chunk.seq
         end = chunk.start + chunk.num_new_tokens
         logits_at = [p - chunk.start for p in self._prompt_logprob_positions(seq, chunk.start, end)]
         if chunk.completes_known_tokens:
-            logits_at.append(chunk.num_new_tokens - 1)
-        return SequenceSlice(
-            seq.all_token_ids[chunk.start : end], chunk.start, self.kv.block_table(seq.seq_id), logits_at
-        )
+            logits_at += range(chunk.num_new_tokens - 1 - chunk.num_drafts, chunk.num_new_tokens)
+        tokens = (seq.all_token_ids + seq.draft_token_ids)[chunk.start : end]
+        return SequenceSlice(tokens, chunk.start, self.kv.block_table(seq.seq_id), logits_at)
 
     @staticmethod
     def _prompt_logprob_positions(seq: Sequence, start: int, end: int) -> range:

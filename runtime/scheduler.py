@@ -40,9 +40,14 @@ class ScheduledChunk:
     num_new_tokens: int
 
     @property
+    def num_drafts(self) -> int:
+        """Speculative draft tokens at the chunk's end (they follow the last known token)."""
+        return max(0, self.start + self.num_new_tokens - self.seq.num_tokens)
+
+    @property
     def completes_known_tokens(self) -> bool:
         """True when this chunk computes the sequence's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens >= self.seq.num_tokens
 
 
 @dataclass
@@ -90,7 +95,13 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            wanted = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
+            num_new = min(wanted, budget)
+            if seq.draft_token_ids and not self.kv.can_allocate(
+                seq.seq_id, seq.num_computed_tokens + num_new
+            ):
+                seq.draft_token_ids = []  # drafts never cost another sequence its blocks
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, output):
                 continue
             output.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
@@ -113,6 +124,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq, front=True)

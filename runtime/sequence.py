@@ -33,6 +33,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
 
     @property
     def params(self) -> SamplingParams:

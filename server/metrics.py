@@ -82,6 +82,22 @@ class _EngineCollector(Collector):
             "Sequences preempted (to recompute later) for lack of KV blocks.",
             self.engine.engine.scheduler.num_preemptions,
         )
+        if self.engine.engine.config.speculative is None:
+            return
+        for name, doc, value in (
+            ("num_drafts", "Speculating sequence-steps.", counters.num_spec_drafts),
+            ("num_draft_tokens", "Draft tokens proposed.", counters.num_spec_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", counters.num_spec_accepted_tokens),
+        ):
+            yield self._metric(CounterMetricFamily, f"kiln:spec_decode_{name}", doc, value)
+        per_position = CounterMetricFamily(
+            "kiln:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            labels=["model_name", "position"],
+        )
+        for position, accepted in enumerate(counters.spec_accepted_at):
+            per_position.add_metric([self.model_name, str(position)], float(accepted))
+        yield per_position
 
     def _metric(
         self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float

@@ -302,6 +302,7 @@ def make_tiny_engine(tiny_model) -> Any:
         fail_at_step: int | None = None,
         step_delay_s: float = 0.0,
         engine_class: type[LLMEngine] = LLMEngine,
+        speculative: Any = None,
     ) -> LLMEngine:
         executable, tokenizer = tiny_model
         if fail_at_step is not None or step_delay_s:
@@ -311,6 +312,7 @@ def make_tiny_engine(tiny_model) -> Any:
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            speculative=speculative,
         )
         return engine_class(executable, tokenizer, "tiny", TINY_CONFIG.max_position_embeddings, config)
 

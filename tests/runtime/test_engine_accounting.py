@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative import SpeculativeConfig
 
 ACTIONS = st.lists(
     st.one_of(
@@ -30,9 +31,10 @@ def _check_blocks(engine) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=ACTIONS, num_blocks=st.integers(12, 40), caching=st.booleans())
-def test_random_add_step_abort_never_leaks(make_tiny_engine, actions, num_blocks, caching) -> None:
-    engine = make_tiny_engine(num_blocks=num_blocks, enable_prefix_caching=caching)
+@given(actions=ACTIONS, num_blocks=st.integers(12, 40), caching=st.booleans(), speculate=st.booleans())
+def test_random_add_step_abort_never_leaks(make_tiny_engine, actions, num_blocks, caching, speculate) -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3) if speculate else None
+    engine = make_tiny_engine(num_blocks=num_blocks, enable_prefix_caching=caching, speculative=spec)
     shared = list(range(2, 30))
     added: list[str] = []
     for action in actions:

@@ -1,0 +1,72 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts and an exact greedy verifier.
+
+Before a step, each greedy decode sequence may get up to `num_speculative_tokens` draft tokens: the
+tokens that followed the latest earlier occurrence of its last n tokens (n from `prompt_lookup_max`
+down to `prompt_lookup_min`) in its own prompt and output. The step computes the last real token and
+the drafts as one chunk (their logits rows in one pass over the weights); the verifier then takes the
+target's own choice at each row, in order, while it equals the next draft, so a sequence's tokens are
+those it would have made one at a time (the kernels are batch-invariant: a row's logits do not
+depend on how many rows come with it). A rejected draft's cache slot is overwritten later.
+
+Sampled (temperature > 0) and constrained sequences do not speculate yet: that needs the rejection
+sampler (min(1, p/q) acceptance, the residual distribution on rejection) and matcher rollback.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported (supported: {', '.join(METHODS)}; "
+                "draft models are not yet)"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """From the JSON text of `--speculative-config` or a dict; unknown keys are refused."""
+        raw = json.loads(value) if isinstance(value, str) else dict(value)
+        if "model" in raw:
+            raise ValueError("speculative decoding with a draft model is not supported yet; use method ngram")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+
+def propose_ngram(tokens: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
+    """Up to `limit` tokens that followed the latest earlier match of the longest suffix n-gram."""
+    if limit < 1:
+        return []
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + min(limit, config.num_speculative_tokens)]
+                if follow:
+                    return follow
+    return []

@@ -1,0 +1,107 @@
+"""n-gram speculative decoding: the proposer, the config, and greedy tokens identical with and without
+speculation on the tiny model and on SmolLM2 and Qwen2.5-Coder-0.5B (alone and batched with other
+requests, sampled ones included)."""
+
+from __future__ import annotations
+
+import pytest
+
+import kiln
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative import SpeculativeConfig, propose_ngram
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1)
+
+
+def test_the_longest_latest_match_proposes() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose_ngram(tokens, NGRAM, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert propose_ngram([4, 5, 6], NGRAM, 3) == []  # no earlier occurrence
+    assert propose_ngram(tokens, NGRAM, 1) == [7]
+    assert propose_ngram([5, 5, 5, 5], NGRAM, 3) == [5]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}', "draft model"),
+        ('{"method": "eagle"}', "not supported"),
+        ('{"method": "ngram", "k": 3}', "unknown speculative config keys"),
+        ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ],
+)
+def test_bad_configs_are_refused(raw: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(raw)
+
+
+def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    return {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+
+
+def test_tiny_model_greedy_tokens_are_identical(make_tiny_engine) -> None:
+    prompts = [[(3 * i + j) % 40 + 2 for j in range(5 + 3 * i)] * 2 for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    params = [greedy, greedy, sampled, greedy, sampled, greedy]
+    plain = _run(make_tiny_engine(), prompts, params)
+    engine = make_tiny_engine(speculative=NGRAM)
+    assert _run(engine, prompts, params) == plain
+    assert engine.stats.num_spec_accepted_tokens > 0  # the drafts were used, not only proposed
+
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+
+def main():
+    for i in range(10):
+        print(i, fibonacci(i))
+'''
+TASKS = [
+    f"Rewrite this code so that the function fibonacci is named fib, changing nothing else:\n\n{CODE}",
+    "Quote the passage word for word, then say how many words it has.\n\nPassage: The quick brown fox jumps "
+    "over the lazy dog. The dog does not move. The fox jumps again.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2", "qwen2.5-coder-0.5b-instruct"])
+def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) -> None:
+    from kiln.frontend.pull import kiln_home
+
+    path = (
+        smollm2_gguf_path if model == "smollm2" else kiln_home() / "models" / model / f"{model}-q4_k_m.gguf"
+    )
+    if not path.is_file():
+        pytest.skip(f"{model} not found at {path}; `make test` fetches it (`kiln pull {model}`)")
+    outputs = {}
+    for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}):
+        llm = kiln.LLM(str(path), max_num_seqs=4, speculative_config=speculative, show_progress=False)
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": task}], add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )
+            for task in TASKS
+        ]
+        greedy = SamplingParams(temperature=0, max_tokens=96)
+        alone = [_run(llm.engine, [prompt], [greedy])["r0"] for prompt in prompts]
+        batched = _run(  # with a sampled request beside them
+            llm.engine,
+            [*prompts, prompts[0]],
+            [greedy, greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=96)],
+        )
+        outputs[speculative is not None] = (alone, [batched["r0"], batched["r1"]])
+        if speculative is not None:
+            assert llm.engine.stats.num_spec_accepted_tokens > 0
+    assert outputs[True] == outputs[False]
+    assert outputs[False][0] == outputs[False][1]  # batching changes nothing either
