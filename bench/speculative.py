@@ -6,7 +6,8 @@
 For each model and task (rewrite code with one change; quote a passage), greedy, through kiln.LLM on
 the default artifact: output tokens/s of the whole generation (medians of --repeats), the speedup, the
 draft acceptance rate, and whether the tokens are identical (they must be). --k 3 keeps a speculating
-step within the TVM artifact's single-stream `decode` function (4 token rows).
+step within the TVM artifact's single-stream `decode` function (4 token rows). Then the cost of one
+step of k + 1 rows against one of 1 row (one sequence at context 300, median of 30).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 CODE = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""
@@ -43,6 +45,25 @@ TASKS = {
 }
 
 
+def step_ms(executable: Any, rows: int, context: int = 300) -> float:
+    """The median time of a step computing `rows` tokens of one sequence at `context` tokens."""
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    cache = executable.kv_cache_spec.allocate(64, 16)
+    table = list(range(1, 1 + (context + rows) // 16 + 1))
+    executable.step(build_step_inputs([SequenceSlice(list(range(100, 100 + context)), 0, table)], 16), cache)
+    tokens = list(range(500, 500 + rows))
+    inputs = build_step_inputs([SequenceSlice(tokens, context, table, list(range(rows)))], 16)
+    for _ in range(3):
+        executable.step(inputs, cache)
+    runs = []
+    for _ in range(30):
+        start = time.perf_counter()
+        executable.step(inputs, cache)
+        runs.append(time.perf_counter() - start)
+    return 1000 * statistics.median(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
@@ -58,12 +79,15 @@ def main() -> None:
     load_start = os.getloadavg()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
     rows = []
+    step_costs = []
     for model in args.models:
         engines = {
             name: kiln.LLM(model, max_num_seqs=1, speculative_config=config, show_progress=False)
             for name, config in (("plain", None), ("ngram", spec))
         }
         tokenizer = engines["plain"].get_tokenizer()
+        executable = engines["plain"].artifact.executable
+        step_costs.append((model, step_ms(executable, 1), step_ms(executable, args.k + 1)))
         params = kiln.SamplingParams(temperature=0, max_tokens=args.tokens)
         for task, text in TASKS.items():
             chat = tokenizer.apply_chat_template(
@@ -113,6 +137,9 @@ def main() -> None:
             f"{model:<30}{task:<16}{count:>7}{plain:>9.1f}{ngram:>9.1f}{ngram / plain:>8.2f}x"
             f"{100 * acceptance:>9.0f}%  {'yes' if same else 'NO'}"
         )
+    print(f"\none step, one sequence at context 300: 1 row against {args.k + 1} rows (ms)")
+    for model, one, many in step_costs:
+        print(f"{model:<30}{one:>8.2f}{many:>8.2f}  x{many / one:.2f}")
 
 
 if __name__ == "__main__":
