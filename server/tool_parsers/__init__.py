@@ -8,8 +8,10 @@ reports into deltas, so a stream always reassembles to what the whole text parse
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,38 @@ class Parsed:
 
 
 Parser = Callable[[str, bool], Parsed]
+
+
+def call_of(value: Any, arguments_key: str = "arguments") -> ParsedCall | None:
+    """A call from its JSON object, `{"name": ..., "arguments" (or "parameters"): ...}`; arguments as
+    JSON text."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    other = "parameters" if arguments_key == "arguments" else "arguments"
+    arguments = value.get(arguments_key, value.get(other, {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ParsedCall(value["name"], text)
+
+
+def calls_in_sequence(
+    text: str, separators: str = " \t\r\n", arguments_key: str = "arguments", strict: bool = False
+) -> tuple[ParsedCall, ...] | None:
+    """The calls of one or more JSON objects one after another (between them only `separators`); None
+    unless all of `text` is such calls (`strict`: each object has `arguments_key` itself)."""
+    decoder, at, calls = json.JSONDecoder(), 0, []
+    while True:
+        while at < len(text) and text[at] in separators:
+            at += 1
+        if at == len(text):
+            return tuple(calls) if calls else None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = call_of(value, arguments_key)
+        if call is None or (strict and arguments_key not in value):
+            return None
+        calls.append(call)
 
 
 def held_back(text: str, marker: str) -> str:

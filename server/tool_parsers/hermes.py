@@ -7,44 +7,22 @@ from __future__ import annotations
 
 import json
 
-from kiln.server.tool_parsers import Parsed, ParsedCall, held_back
+from kiln.server.tool_parsers import Parsed, ParsedCall, call_of, calls_in_sequence, held_back
 
 START, END = "<tool_call>", "</tool_call>"
 
 
 def _call(body: str) -> ParsedCall | None:
     try:
-        value = json.loads(body)
+        return call_of(json.loads(body))
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ParsedCall(value["name"], text)
-
-
-def _bare_calls(text: str) -> tuple[ParsedCall, ...] | None:
-    decoder, at, calls = json.JSONDecoder(), 0, []
-    while True:
-        while at < len(text) and text[at].isspace():
-            at += 1
-        if at == len(text):
-            return tuple(calls) if calls else None
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return None
-        call = _call(json.dumps(value)) if isinstance(value, dict) and "arguments" in value else None
-        if call is None:
-            return None
-        calls.append(call)
 
 
 def parse(text: str, final: bool) -> Parsed:
     first = text.find(START)
     if first < 0 and text.lstrip().startswith("{"):
-        bare = _bare_calls(text) if final else None
+        bare = calls_in_sequence(text, strict=True) if final else None  # other JSON stays content
         return Parsed("", bare) if bare else Parsed(text if final else "")
     if first < 0:
         return Parsed(text if final else held_back(text, START))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.server.tool_parsers import Parsed, ParsedCall, held_back
+from kiln.server.tool_parsers import Parsed, call_of, held_back
 
 MARKER = "[TOOL_CALLS]"
 
@@ -21,10 +21,5 @@ def parse(text: str, final: bool) -> Parsed:
     except json.JSONDecodeError:
         return Parsed(text[:at])
     items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            arguments = item.get("arguments", {})
-            text_args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            calls.append(ParsedCall(item["name"], text_args))
-    return Parsed(text[:at], tuple(calls))
+    calls = tuple(call for call in map(call_of, items) if call is not None)
+    return Parsed(text[:at], calls)

@@ -34,6 +34,7 @@ CASES = {
             Parsed("", (WEATHER,)),
         ),
         ('{"just": "json"}', Parsed('{"just": "json"}')),
+        ('{"name": "Felix", "age": 3}', Parsed('{"name": "Felix", "age": 3}')),  # a "name" is not a call
     ],
     "mistral": [
         ("No tools needed.", Parsed("No tools needed.")),
