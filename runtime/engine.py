@@ -232,13 +232,13 @@ class LLMEngine:
         return [self._output(request) for request in touched.values()]
 
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running greedy, unconstrained sequences about to decode one token."""
+        """n-gram drafts for the running unconstrained sequences about to decode one token."""
         spec = self.config.speculative
         if spec is None:
             return
         for seq in self.scheduler.running:
             params = seq.params
-            if not params.greedy or params.structured_output is not None:
+            if params.structured_output is not None:
                 continue
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
@@ -251,14 +251,17 @@ class LLMEngine:
     def _verify(
         self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
     ) -> None:
-        """Take the target's own token at each row while it equals the next draft (speculative.py)."""
+        """Sample each row in order (a draft's row by the rejection rule) while the token equals the next
+        draft (speculative.py)."""
         drafts = seq.draft_token_ids[:num_drafts]
         state = self._states[seq.seq_id]
         request = seq.request
         touched[request.request_id] = request
         accepted = 0
         for index in range(num_drafts + 1):
-            (sampled,) = sample(rows[index : index + 1], [state.sampling], self.tokenizer.eos_token_ids)
+            draft = drafts[index] if index < num_drafts else None
+            eos = self.tokenizer.eos_token_ids
+            (sampled,) = sample(rows[index : index + 1], [state.sampling], eos, drafts=[draft])
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
             if seq.is_finished or index == num_drafts or sampled.token_id != drafts[index]:
                 break

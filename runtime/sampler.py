@@ -64,12 +64,17 @@ def sample(
     sequences: Sequence[SequenceSampling],
     eos_token_ids: Sequence[int] = (),
     token_bitmask: torch.Tensor | None = None,
+    drafts: Sequence[int | None] | None = None,
 ) -> list[SampledToken]:
     """One token per row of `logits` [N, vocab]; row i is sampled with `sequences[i]`'s settings.
 
     `eos_token_ids` are banned, with each sequence's stop_token_ids, until it has min_tokens outputs
     (unless it ignores eos). `token_bitmask` (int32 [N, ceil(vocab / 32)], xgrammar's layout: bit j of
     word w allows token 32 w + j) masks each row to the tokens its structured output allows.
+
+    `drafts`: a speculative draft token a row (None: none), proposed with certainty (an n-gram's). A
+    sampled row keeps it with probability p(draft), else draws from p without it, renormalised; so
+    the token's distribution is p either way, and the draft is accepted when the token equals it.
     """
     logits = _check_logits(logits, len(sequences))
     raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -86,7 +91,7 @@ def sample(
     )
     if token_bitmask is not None:
         processed = apply_token_bitmask(processed, token_bitmask)
-    token_ids = _choose(processed, sequences)
+    token_ids = _choose(processed, sequences, drafts)
     chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
     logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
     return [
@@ -237,8 +242,13 @@ def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
 # --- helpers -------------------------------------------------------------------------------------------
 
 
-def _choose(processed: torch.Tensor, sequences: Sequence[SequenceSampling]) -> list[int]:
-    """Greedy rows take the argmax (first of ties: lowest id); the others are filtered and drawn."""
+def _choose(
+    processed: torch.Tensor,
+    sequences: Sequence[SequenceSampling],
+    drafts: Sequence[int | None] | None = None,
+) -> list[int]:
+    """Greedy rows take the argmax (first of ties: lowest id); the others are filtered and drawn (a
+    row with a draft by the rejection rule of `sample`)."""
     chosen = torch.argmax(processed, dim=-1).tolist()
     rows = [i for i, s in enumerate(sequences) if not s.params.greedy]
     if not rows:
@@ -249,7 +259,15 @@ def _choose(processed: torch.Tensor, sequences: Sequence[SequenceSampling]) -> l
     filtered = apply_top_p(filtered, [p.top_p for p in params])
     filtered = apply_min_p(filtered, [p.min_p for p in params])
     for j, i in enumerate(rows):
-        chosen[i] = draw(filtered[j], sequences[i].generator)
+        draft = drafts[i] if drafts is not None else None
+        generator = sequences[i].generator
+        if draft is not None:
+            keep = torch.softmax(filtered[j], dim=-1)[draft]
+            if float(torch.rand((), generator=generator, device=generator.device)) < float(keep):
+                chosen[i] = draft
+                continue
+            filtered[j, draft] = _NEG_INF
+        chosen[i] = draw(filtered[j], generator)
     return chosen
 
 

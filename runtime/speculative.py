@@ -1,15 +1,17 @@
 """Speculative decoding with n-gram (prompt lookup) drafts and an exact greedy verifier.
 
-Before a step, each greedy decode sequence may get up to `num_speculative_tokens` draft tokens: the
+Before a step, each decode sequence may get up to `num_speculative_tokens` draft tokens: the
 tokens that followed the latest earlier occurrence of its last n tokens (n from `prompt_lookup_max`
 down to `prompt_lookup_min`) in its own prompt and output. The step computes the last real token and
-the drafts as one chunk (their logits rows in one pass over the weights); the verifier then takes the
-target's own choice at each row, in order, while it equals the next draft, so a sequence's tokens are
-those it would have made one at a time (the kernels are batch-invariant: a row's logits do not
-depend on how many rows come with it). A rejected draft's cache slot is overwritten later.
+the drafts as one chunk (their logits rows in one pass over the weights); the verifier then samples
+each row in order and goes on while the token equals the next draft. Greedy rows take the argmax, so
+a sequence's tokens are those it would have made one at a time (the kernels are batch-invariant: a
+row's logits do not depend on how many rows come with it). Sampled rows keep the draft with
+probability p(draft) and otherwise draw from p without it (the exact rejection rule for a draft
+proposed with certainty, q one-hot), so each token is distributed as without speculation. A rejected
+draft's cache slot is overwritten later.
 
-Sampled (temperature > 0) and constrained sequences do not speculate yet: that needs the rejection
-sampler (min(1, p/q) acceptance, the residual distribution on rejection) and matcher rollback.
+Constrained sequences do not speculate yet (that needs matcher rollback); nor do draft models.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""n-gram speculative decoding: the proposer, the config, and greedy tokens identical with and without
+"""n-gram speculative decoding: the proposer, the config, greedy tokens identical with and without
 speculation on the tiny model and on SmolLM2 and Qwen2.5-Coder-0.5B (alone and batched with other
-requests, sampled ones included)."""
+requests, sampled ones included), and sampled tokens distributed as without speculation (chi-square)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kiln
 from kiln.runtime.sampling_params import SamplingParams
@@ -48,8 +49,44 @@ def test_tiny_model_greedy_tokens_are_identical(make_tiny_engine) -> None:
     params = [greedy, greedy, sampled, greedy, sampled, greedy]
     plain = _run(make_tiny_engine(), prompts, params)
     engine = make_tiny_engine(speculative=NGRAM)
-    assert _run(engine, prompts, params) == plain
+    speculated = _run(engine, prompts, params)
+    greedy_ids = [f"r{i}" for i, p in enumerate(params) if p.greedy]
+    assert [speculated[r] for r in greedy_ids] == [plain[r] for r in greedy_ids]
     assert engine.stats.num_spec_accepted_tokens > 0  # the drafts were used, not only proposed
+
+
+def test_sampled_tokens_keep_their_distribution(tiny_model) -> None:
+    """The verifier's rule on a real row of logits (the tiny model's next-token logits, top-k 8): 4,000
+    seeded draws with the second most likely token as the draft against 4,000 plain draws; a
+    chi-square test of homogeneity must not reject at p = 0.001, and the draft is kept as often as its
+    probability says (within 5 standard deviations)."""
+    from scipy.stats import chi2_contingency
+
+    from kiln.runtime.sampler import SequenceSampling, make_generator, sample
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    executable, _ = tiny_model
+    cache = executable.kv_cache_spec.allocate(8, 4)
+    logits = executable.step(build_step_inputs([SequenceSlice([5, 6, 7, 8, 9], 0, [1, 2])], 4), cache)
+    params = SamplingParams(temperature=1.0, top_k=8)
+    probs = torch.softmax(logits[0], -1)
+    top = torch.topk(probs, 8)
+    kept = top.values / top.values.sum()
+    draft = int(top.indices[1])
+    draws = 4000
+    tallies = []
+    for drafts in (None, [draft]):
+        tally: dict[int, int] = {}
+        for seed in range(draws):
+            rows = [SequenceSampling(params, make_generator(seed + (draws if drafts else 0)))]
+            (token,) = sample(logits, rows, drafts=drafts)
+            tally[token.token_id] = tally.get(token.token_id, 0) + 1
+        tallies.append(tally)
+    tokens = sorted(set(tallies[0]) | set(tallies[1]))
+    assert chi2_contingency([[t.get(k, 0) for k in tokens] for t in tallies]).pvalue > 0.001
+    p_draft = float(kept[1])
+    spread = 5 * (draws * p_draft * (1 - p_draft)) ** 0.5
+    assert abs(tallies[1].get(draft, 0) - draws * p_draft) < spread
 
 
 CODE = '''def fibonacci(n):
