@@ -120,7 +120,7 @@ def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-        "\"prompt_lookup_max\": 4}' (drafts from each sequence's own tokens; not with structured outputs)",
+        "\"prompt_lookup_max\": 4}' (drafts from each sequence's own tokens)",
     )
 
 

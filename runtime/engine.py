@@ -232,14 +232,11 @@ class LLMEngine:
         return [self._output(request) for request in touched.values()]
 
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running unconstrained sequences about to decode one token."""
+        """n-gram drafts for the running sequences about to decode one token."""
         spec = self.config.speculative
         if spec is None:
             return
         for seq in self.scheduler.running:
-            params = seq.params
-            if params.structured_output is not None:
-                continue
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             limit = min(
@@ -258,10 +255,15 @@ class LLMEngine:
         request = seq.request
         touched[request.request_id] = request
         accepted = 0
+        eos = self.tokenizer.eos_token_ids
         for index in range(num_drafts + 1):
             draft = drafts[index] if index < num_drafts else None
-            eos = self.tokenizer.eos_token_ids
-            (sampled,) = sample(rows[index : index + 1], [state.sampling], eos, drafts=[draft])
+            matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
+            bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
+            (sampled,) = sample(
+                rows[index : index + 1], [state.sampling], eos, token_bitmask=bitmask, drafts=[draft]
+            )
+            self._advance_matcher(state, seq, sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
             if seq.is_finished or index == num_drafts or sampled.token_id != drafts[index]:
                 break
@@ -323,17 +325,22 @@ class LLMEngine:
         samplings = [state.sampling for state in states]
         eos = self.tokenizer.eos_token_ids
         sampled_tokens = sample(rows, samplings, eos_token_ids=eos, token_bitmask=bitmask)
-        for (seq, _), sampled, matcher, state in zip(
-            to_sample, sampled_tokens, matchers, states, strict=True
-        ):
+        for (seq, _), sampled, state in zip(to_sample, sampled_tokens, states, strict=True):
             request = seq.request
             touched[request.request_id] = request
             self._release_held(request)
-            if matcher is not None:
-                matcher.accept_token(sampled.token_id)
-            elif state.matcher_waits and sampled.token_id == seq.params.structured_output_after:
-                state.matcher_waits = False
+            self._advance_matcher(state, seq, sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+
+    @staticmethod
+    def _advance_matcher(state: _SequenceState, seq: Sequence, token: int) -> None:
+        """The structured output's matcher takes the token (or starts after `structured_output_after`)."""
+        if state.matcher is None:
+            return
+        if not state.matcher_waits:
+            state.matcher.accept_token(token)
+        elif token == seq.params.structured_output_after:
+            state.matcher_waits = False
 
     def _release_held(self, request: Request) -> None:
         """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""

@@ -9,9 +9,10 @@ a sequence's tokens are those it would have made one at a time (the kernels are 
 row's logits do not depend on how many rows come with it). Sampled rows keep the draft with
 probability p(draft) and otherwise draw from p without it (the exact rejection rule for a draft
 proposed with certainty, q one-hot), so each token is distributed as without speculation. A rejected
-draft's cache slot is overwritten later.
+draft's cache slot is overwritten later. A constrained row is masked by its matcher as it stands after
+the tokens before it (the matcher only ever takes verified tokens, so it never rolls back).
 
-Constrained sequences do not speculate yet (that needs matcher rollback); nor do draft models.
+Draft models are not supported yet.
 """
 
 from __future__ import annotations

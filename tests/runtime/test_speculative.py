@@ -142,3 +142,28 @@ def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) 
             assert llm.engine.stats.num_spec_accepted_tokens > 0
     assert outputs[True] == outputs[False]
     assert outputs[False][0] == outputs[False][1]  # batching changes nothing either
+
+
+@pytest.mark.slow
+def test_constrained_requests_speculate_and_keep_their_tokens(smollm2_gguf_path) -> None:
+    """A JSON schema and a regex, greedy, on SmolLM2: each verified row is masked by the matcher as it
+    stands after the tokens before it, so the tokens are those of plain constrained decoding."""
+    item = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["id"],
+        "additionalProperties": False,
+    }
+    schema = {"type": "array", "items": item, "minItems": 8, "maxItems": 8}
+    constraints = [kiln.StructuredOutput.json_schema(schema), kiln.StructuredOutput("regex", "(ab ){10}ab")]
+    outputs = {}
+    for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}):
+        llm = kiln.LLM(
+            str(smollm2_gguf_path), max_num_seqs=2, speculative_config=speculative, show_progress=False
+        )
+        params = [SamplingParams(temperature=0, max_tokens=200, structured_output=c) for c in constraints]
+        results = llm.generate(["List eight ids as JSON:", "Repeat ab:"], params)
+        outputs[speculative is not None] = [r.outputs[0].token_ids for r in results]
+        if speculative is not None:
+            assert llm.engine.stats.num_spec_accepted_tokens > 0
+    assert outputs[True] == outputs[False]
