@@ -169,15 +169,20 @@ def _out_sinfo(lw: Lowerer, node: Node, index: int = 0) -> relax.TensorType:
 ROW_COUNTS = "row_counts"  # int64[2]: the real token rows and logits rows (the rest is padding)
 
 
-def rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
-    """x[..., last] viewed as [q, 4, last]: the row count must be a padded one (T or L based)."""
+def row_blocks(lw: Lowerer, node: Node) -> Any:
+    """The blocks of 4 rows of the node's first input, whose row count must be a padded one (T or L)."""
     leading = node.inputs[0].type.shape[:-1] if node.inputs[0] is not None else ()
     if len(leading) != 1 or leading[0] not in ("T", "L"):
         raise BackendError(
             f"tvm: {node.op} lowers rows of a token- or logits-indexed tensor only, got "
             f"{node.inputs[0].type.text() if node.inputs[0] else '?'}: {node.describe()}"
         )
-    blocks = lw.dims["tq" if leading[0] == "T" else "lq"]
+    return lw.dims["tq" if leading[0] == "T" else "lq"]
+
+
+def rows_of(lw: Lowerer, node: Node, x: relax.Expr, last: int) -> tuple[relax.Expr, Any]:
+    """x[..., last] viewed as [q, 4, last] (`row_blocks`)."""
+    blocks = row_blocks(lw, node)
     return lw.emit(relax.op.reshape(x, [blocks, ROW_BLOCK, last])), blocks
 
 
@@ -481,29 +486,32 @@ def _softcap(lw: Lowerer, node: Node) -> list[relax.Expr]:
     return [lw.emit(relax.op.multiply(bounded, relax.const(cap, dtype)))]
 
 
-@lowering("swiglu")
-def _swiglu(lw: Lowerer, node: Node) -> list[relax.Expr]:
-    gate = lw.value(node.inputs[0])
-    fused = not (len(node.inputs) > 1 and node.inputs[1] is not None)
+def swiglu_call(lw: Lowerer, args: list[relax.Expr], out: relax.TensorType, dtype: str) -> relax.Expr:
+    """silu(gate) * up of `args` (gate and up, or one gate|up): the CPU's row kernel, elsewhere Relax
+    ops; `out` is the [rows, intermediate] result."""
+    fused = len(args) == 1
     if lw.target_kind != "cpu":
         if fused:
-            halves = lw.emit(relax.op.split(gate, 2, axis=-1))
-            gate, up = lw.emit(relax.TupleGetItem(halves, 0)), lw.emit(relax.TupleGetItem(halves, 1))
-        else:
-            up = lw.value(node.inputs[1])
-        return [lw.emit(relax.op.multiply(relax.op.nn.silu(gate), up))]
-    out_type = node.outputs[0].type
-    if out_type.rank != 2:
-        raise BackendError(f"tvm: swiglu lowers 2-D [rows, features] inputs: {node.describe()}")
-    intermediate = int(out_type.shape[1])
+            halves = lw.emit(relax.op.split(args[0], 2, axis=-1))
+            args = [lw.emit(relax.TupleGetItem(halves, 0)), lw.emit(relax.TupleGetItem(halves, 1))]
+        return lw.emit(relax.op.multiply(relax.op.nn.silu(args[0]), args[1]))
+    intermediate = int(out.shape[1])
     kernel = lw.kernel(
         "swiglu",
-        (intermediate, out_type.dtype, fused),
-        lambda: rowwise.swiglu_kernel(intermediate, out_type.dtype, fused),
+        (intermediate, dtype, fused),
+        lambda: rowwise.swiglu_kernel(intermediate, dtype, fused),
         {"intermediate": intermediate},
     )
+    return lw.emit(relax.call_tir(kernel, args, out))
+
+
+@lowering("swiglu")
+def _swiglu(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    out_type = node.outputs[0].type
+    if lw.target_kind == "cpu" and out_type.rank != 2:
+        raise BackendError(f"tvm: swiglu lowers 2-D [rows, features] inputs: {node.describe()}")
     args = [lw.value(v) for v in node.inputs if v is not None]
-    return [lw.emit(relax.call_tir(kernel, args, _out_sinfo(lw, node)))]
+    return [swiglu_call(lw, args, _out_sinfo(lw, node), out_type.dtype)]
 
 
 @lowering("split")

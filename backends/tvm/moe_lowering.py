@@ -12,7 +12,7 @@ from collections.abc import Callable
 from tvm import relax, tirx
 
 from kiln.backends.base import BackendError
-from kiln.backends.tvm.kernels import int_dot, rowwise
+from kiln.backends.tvm.kernels import int_dot
 from kiln.backends.tvm.kernels import linear as linear_kernels
 from kiln.backends.tvm.kernels import moe as moe_kernels
 from kiln.backends.tvm.layouts import tiled_transform
@@ -23,7 +23,8 @@ from kiln.backends.tvm.lowering import (
     dot_weights,
     factored_scales,
     lowering,
-    rows_of,
+    row_blocks,
+    swiglu_call,
 )
 from kiln.ir import Node
 from kiln.ir.ops.moe import quantized_inputs
@@ -38,7 +39,7 @@ class Routing:
         self.experts = experts
         self.top_k = int(node.attrs["top_k"])
         normalize = bool(node.attrs["normalize"])
-        _, self.blocks = rows_of(lw, node, lw.value(x_value), int(x_value.type.shape[1]))
+        self.blocks = row_blocks(lw, node)
         self.rows = self.blocks * ROW_BLOCK
         self.which = relax.prim_value(tirx.IntImm("int64", 1 if x_value.type.shape[0] == "L" else 0))
         kernel = lw.kernel(
@@ -71,7 +72,8 @@ def _lower_block(lw: Lowerer, node: Node, experts: int, inner: int, project: Pro
     gate = project("gate", x, False, routing)
     up = project("up", x, False, routing)
     slots = routing.rows * routing.top_k
-    down = project("down", _swiglu(lw, gate, up, relax.TensorType([slots, inner], "float32")), True, routing)
+    hidden_states = swiglu_call(lw, [gate, up], relax.TensorType([slots, inner], "float32"), "f32")
+    down = project("down", hidden_states, True, routing)
     top_k = routing.top_k
     kernel = lw.kernel(
         "moe_combine",
@@ -81,19 +83,6 @@ def _lower_block(lw: Lowerer, node: Node, experts: int, inner: int, project: Pro
     )
     args = [down, routing.weights, lw.values[ROW_COUNTS], routing.which]
     return [lw.emit(relax.call_tir(kernel, args, relax.TensorType([routing.rows, hidden], "float32")))]
-
-
-def _swiglu(lw: Lowerer, gate: relax.Expr, up: relax.Expr, out: relax.TensorType) -> relax.Expr:
-    inner = int(out.shape[1])
-    if lw.target_kind != "cpu":
-        return lw.emit(relax.op.multiply(relax.op.nn.silu(gate), up))
-    kernel = lw.kernel(
-        "swiglu",
-        (inner, "f32", False),
-        lambda: rowwise.swiglu_kernel(inner, "f32", False),
-        {"intermediate": inner},
-    )
-    return lw.emit(relax.call_tir(kernel, [gate, up], out))
 
 
 def _check_float(node: Node) -> None:

@@ -84,11 +84,9 @@ class ToolCallStream:
         parsed = self.parser(self.text, final)
         content = parsed.content
         new_content = ""
-        if content.startswith(self.sent_content) and (final or content.strip()):
+        if content.strip() and content.startswith(self.sent_content):  # whitespace alone waits
             new_content = content[len(self.sent_content) :]
             self.sent_content = content
-        if final and not content.strip():
-            new_content = ""
         calls = list(parsed.calls[self.sent_calls :])
         self.sent_calls = len(parsed.calls)
         return new_content, calls
