@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="a GGUF or model name")
     args = parser.parse_args()
+    if args.out.exists():
+        parser.error(f"{args.out} exists; name a new file (this script does not overwrite files)")
     from kiln.frontend.pull import resolve_model
 
     write(args.out, resolve_model(args.tokenizer_from))
