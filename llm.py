@@ -51,7 +51,8 @@ def _speculative(value: str | dict[str, Any] | None) -> SpeculativeConfig | None
     except (ValueError, TypeError) as error:
         raise OptionsError(
             f"speculative config {value!r}: {error}",
-            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or '
+            '{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}',
         ) from None
 
 
@@ -116,6 +117,20 @@ def open_model(
         raise OptionsError(f"the compile cache cannot be written: {error}", hint=error.hint) from None
 
 
+def open_draft(model: str, target_artifact: LoadedArtifact, **options: Any) -> LoadedArtifact:
+    """The draft model of speculative decoding, opened as `open_model` does; its vocabulary must be the
+    target's (the verifier compares token ids)."""
+    draft = open_model(model, **options)
+    if draft.vocab_size != target_artifact.vocab_size:
+        raise OptionsError(
+            f"draft model {model} has a vocabulary of {draft.vocab_size:,} tokens and "
+            f"{target_artifact.model_name} one of {target_artifact.vocab_size:,}; a draft must share the "
+            "target's vocabulary",
+            hint="pick a smaller model of the same family (same tokenizer), or method ngram",
+        )
+    return draft
+
+
 def describe(artifact: LoadedArtifact) -> str:
     """backend, target and quantization of a loaded artifact, for a person."""
     entry = artifact.target_entry
@@ -159,6 +174,18 @@ class LLM:
             target=target,
             show_progress=show_progress,
         )
+        speculative = _speculative(speculative_config)
+        self.draft_artifact = None
+        if speculative is not None and speculative.model is not None:
+            self.draft_artifact = open_draft(
+                speculative.model,
+                self.artifact,
+                backend=backend,
+                quantization=quantization,
+                dtype=dtype,
+                target=target,
+                show_progress=show_progress,
+            )
         config = EngineConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
@@ -166,7 +193,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-            speculative=_speculative(speculative_config),
+            speculative=speculative,
         )
         self.engine = LLMEngine(
             self.artifact.executable,
@@ -175,6 +202,7 @@ class LLM:
             self.artifact.max_model_len,
             config,
             vocab_size=self.artifact.vocab_size,
+            draft=self.draft_artifact.executable if self.draft_artifact is not None else None,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()

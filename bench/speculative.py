@@ -1,13 +1,16 @@
-"""Single-stream decode with and without n-gram speculative decoding, on input-grounded tasks.
+"""Single-stream decode with and without speculative decoding (n-gram, draft model).
 
     .venv/bin/python bench/speculative.py [--models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct]
-        [--k 3] [--tokens 128] [--repeats 3]
+        [--draft-pairs qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct] [--k 3] [--tokens 128]
+        [--repeats 3]
 
-For each model and task (rewrite code with one change; quote a passage), greedy, through kiln.LLM on
-the default artifact: output tokens/s of the whole generation (medians of --repeats), the speedup, the
-draft acceptance rate, and whether the tokens are identical (they must be). --k 3 keeps a speculating
-step within the TVM artifact's single-stream `decode` function (4 token rows). Then the cost of one
-step of k + 1 rows against one of 1 row (one sequence at context 300, median of 30).
+n-gram runs on each of --models; each TARGET=DRAFT pair runs plain, n-gram and the draft model on the
+target. The tasks: two input-grounded ones (rewrite code with one change; quote a passage) and one
+free-form one (write new code), where prompt lookup has little to find. Greedy, through kiln.LLM on the
+default artifacts: output tokens/s of the whole generation (medians of --repeats), the speedup, the draft
+acceptance rate, and whether the tokens are identical (they must be). --k 3 keeps a speculating step
+within the TVM artifact's single-stream `decode` function (4 token rows). Then the cost of one step of
+k + 1 rows against one of 1 row (one sequence at context 300, median of 30).
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ TASKS = {
     "rewrite code": "Rewrite this code so that the function fibonacci is named fib, changing nothing "
     f"else:\n\n{CODE}",
     "quote passage": f"Repeat this passage word for word, then give it a title.\n\n{PASSAGE}",
+    "new code": "Write a Python function that returns the prime numbers below n, with a docstring.",
 }
+GROUNDED = ("rewrite code", "quote passage")
 
 
 def step_ms(executable: Any, rows: int, context: int = 300) -> float:
@@ -64,10 +69,29 @@ def step_ms(executable: Any, rows: int, context: int = 300) -> float:
     return 1000 * statistics.median(runs)
 
 
+def measure(llm: Any, prompt: list[int], params: Any, repeats: int) -> tuple[float, float, list[int]]:
+    """Median tokens/s, the acceptance rate of the timed runs' drafts, and the tokens."""
+    llm.generate(prompt, params)  # warm up
+    stats = llm.engine.stats
+    drafted, accepted = stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens
+    runs = []
+    tokens: list[int] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
+        runs.append(len(tokens) / (time.perf_counter() - start))
+    new_drafts = stats.num_spec_draft_tokens - drafted
+    acceptance = (stats.num_spec_accepted_tokens - accepted) / new_drafts if new_drafts else 0.0
+    return statistics.median(runs), acceptance, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
-        "--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+        "--models", nargs="*", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    )
+    parser.add_argument(
+        "--draft-pairs", nargs="*", default=["qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct"]
     )
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--tokens", type=int, default=128)
@@ -77,64 +101,51 @@ def main() -> None:
     import kiln
 
     load_start = os.getloadavg()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    runs: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+        (m, {"ngram": ngram}, GROUNDED) for m in args.models
+    ]
+    for pair in args.draft_pairs:
+        target, draft = pair.split("=")
+        methods = {"ngram": ngram, f"draft {draft}": {"model": draft, "num_speculative_tokens": args.k}}
+        runs.append((target, methods, tuple(TASKS)))
     rows = []
     step_costs = []
-    for model in args.models:
+    for model, methods, tasks in runs:
+        plain = kiln.LLM(model, max_num_seqs=1, show_progress=False)
         engines = {
             name: kiln.LLM(model, max_num_seqs=1, speculative_config=config, show_progress=False)
-            for name, config in (("plain", None), ("ngram", spec))
+            for name, config in methods.items()
         }
-        tokenizer = engines["plain"].get_tokenizer()
-        executable = engines["plain"].artifact.executable
-        step_costs.append((model, step_ms(executable, 1), step_ms(executable, args.k + 1)))
+        tokenizer = plain.get_tokenizer()
+        if model not in [m for m, _, _ in step_costs]:
+            executable = plain.artifact.executable
+            step_costs.append((model, step_ms(executable, 1), step_ms(executable, args.k + 1)))
         params = kiln.SamplingParams(temperature=0, max_tokens=args.tokens)
-        for task, text in TASKS.items():
+        for task in tasks:
             chat = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
+                [{"role": "user", "content": TASKS[task]}], add_generation_prompt=True
             )
             prompt = tokenizer.encode(chat, add_special_tokens=False)
-            speeds: dict[str, float] = {}
-            tokens: dict[str, list[int]] = {}
-            acceptance = 0.0
+            base_speed, _, base_tokens = measure(plain, prompt, params, args.repeats)
             for name, llm in engines.items():
-                llm.generate(prompt, params)  # warm up
-                stats = llm.engine.stats
-                drafted, accepted = stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens
-                runs = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    output = llm.generate(prompt, params)[0].outputs[0]
-                    runs.append(len(output.token_ids) / (time.perf_counter() - start))
-                    tokens[name] = output.token_ids
-                speeds[name] = statistics.median(runs)
-                if name == "ngram":
-                    new_drafts = stats.num_spec_draft_tokens - drafted
-                    acceptance = (
-                        (stats.num_spec_accepted_tokens - accepted) / new_drafts if new_drafts else 0.0
-                    )
-            rows.append(
-                (
-                    model,
-                    task,
-                    len(tokens["plain"]),
-                    speeds["plain"],
-                    speeds["ngram"],
-                    acceptance,
-                    tokens["plain"] == tokens["ngram"],
+                speed, acceptance, tokens = measure(llm, prompt, params, args.repeats)
+                rows.append(
+                    (model, name, task, len(tokens), base_speed, speed, acceptance, tokens == base_tokens)
                 )
-            )
+        del plain, engines
 
     print(f"greedy, single stream, {args.tokens} tokens at most, k = {args.k}, medians of {args.repeats}")
     print(
         f"load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; {os.cpu_count()} CPUs"
     )
     print(
-        f"{'model':<30}{'task':<16}{'tokens':>7}{'plain':>9}{'ngram':>9}{'speedup':>9}{'accepted':>10}  same"
+        f"{'model':<30}{'method':<36}{'task':<15}{'tokens':>7}{'plain':>8}{'spec':>8}{'speedup':>9}"
+        f"{'accepted':>10}  same"
     )
-    for model, task, count, plain, ngram, acceptance, same in rows:
+    for model, method, task, count, base, speed, acceptance, same in rows:
         print(
-            f"{model:<30}{task:<16}{count:>7}{plain:>9.1f}{ngram:>9.1f}{ngram / plain:>8.2f}x"
+            f"{model:<30}{method:<36}{task:<15}{count:>7}{base:>8.1f}{speed:>8.1f}{speed / base:>8.2f}x"
             f"{100 * acceptance:>9.0f}%  {'yes' if same else 'NO'}"
         )
     print(f"\none step, one sequence at context 300: 1 row against {args.k + 1} rows (ms)")

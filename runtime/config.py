@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,10 +70,11 @@ class KVCachePlan:
         )
 
 
-def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> KVCachePlan:
+def plan_kv_cache(config: EngineConfig, specs: Sequence[KVCacheSpec], max_model_len: int) -> KVCachePlan:
     """The KV cache's size: what `config` asks for, else enough for max_num_seqs full-length sequences,
-    capped at kv_cache_fraction of the memory available now."""
-    per_block = spec.bytes_per_block(config.block_size)
+    capped at kv_cache_fraction of the memory available now. `specs`: the caches that share the block
+    tables (the model's, and a draft model's)."""
+    per_block = sum(spec.bytes_per_block(config.block_size) for spec in specs)
 
     def made(num_blocks: int, why: str) -> KVCachePlan:
         return KVCachePlan(num_blocks, config.block_size, num_blocks * per_block, why)

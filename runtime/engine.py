@@ -14,6 +14,7 @@ import torch
 from kiln.backends.base import Executable
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.draft_model import DraftModelProposer
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
@@ -60,16 +61,27 @@ class LLMEngine:
         max_model_len: int,
         config: EngineConfig | None = None,
         vocab_size: int | None = None,
+        draft: Executable | None = None,
     ) -> None:
-        """`vocab_size`: the LM head's rows (the logits' width), if more than the tokenizer's."""
+        """`vocab_size`: the LM head's rows (the logits' width), if more than the tokenizer's. `draft`: the
+        draft model of speculative method draft_model (same vocabulary)."""
         self.config = config or EngineConfig()
+        spec = self.config.speculative
+        if (spec is not None and spec.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft executable goes with speculative method draft_model, and only with it")
         self.executable = executable
         self.tokenizer = tokenizer
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
-        self.kv_cache_plan = plan_kv_cache(self.config, executable.kv_cache_spec, self.max_model_len)
+        specs = [executable.kv_cache_spec] + ([draft.kv_cache_spec] if draft is not None else [])
+        self.kv_cache_plan = plan_kv_cache(self.config, specs, self.max_model_len)
         self.num_blocks = self.kv_cache_plan.num_blocks
         self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size)
+        self.drafter = (
+            DraftModelProposer(draft, self.num_blocks, self.block_size, tokenizer.vocab_size)
+            if draft is not None
+            else None
+        )
         self.kv = KVCacheManager(
             self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
         )
@@ -199,6 +211,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
+        if self.drafter is not None:
+            self._draft_with_model(scheduled.chunks)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
         logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
@@ -229,10 +243,12 @@ class LLMEngine:
             self._verify(seq, logits[first_row : first_row + num_drafts + 1], num_drafts, touched)
         for chunk in scheduled.chunks:
             chunk.seq.draft_token_ids = []
+            chunk.seq.draft_probs = None
         return [self._output(request) for request in touched.values()]
 
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running sequences about to decode one token."""
+        """Drafts for the running sequences about to decode one token: n-gram ones, or as many
+        placeholders as the draft model will fill once the scheduler has given them blocks."""
         spec = self.config.speculative
         if spec is None:
             return
@@ -240,10 +256,24 @@ class LLMEngine:
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             limit = min(
+                spec.num_speculative_tokens,
                 seq.request.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
-            seq.draft_token_ids = propose_ngram(seq.all_token_ids, spec, limit)
+            if spec.method == "ngram":
+                seq.draft_token_ids = propose_ngram(seq.all_token_ids, spec, limit)
+            else:
+                seq.draft_token_ids = [0] * max(0, limit)
+
+    def _draft_with_model(self, chunks: list[ScheduledChunk]) -> None:
+        """The draft model mirrors the step and puts its tokens in place of the placeholders, for the
+        drafts that were scheduled."""
+        assert self.drafter is not None
+        drafts = self.drafter.propose(chunks, self.kv.block_table, set(self.scheduler.running))
+        for chunk in chunks:
+            if chunk.num_drafts:
+                chunk.seq.draft_token_ids = drafts[chunk.seq.seq_id].token_ids
+                chunk.seq.draft_probs = drafts[chunk.seq.seq_id].probs
 
     def _verify(
         self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
@@ -251,6 +281,7 @@ class LLMEngine:
         """Sample each row in order (a draft's row by the rejection rule) while the token equals the next
         draft (speculative.py)."""
         drafts = seq.draft_token_ids[:num_drafts]
+        probs = seq.draft_probs
         state = self._states[seq.seq_id]
         request = seq.request
         touched[request.request_id] = request
@@ -258,10 +289,16 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         for index in range(num_drafts + 1):
             draft = drafts[index] if index < num_drafts else None
+            q = probs[index] if probs is not None and draft is not None else None
             matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
             bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
             (sampled,) = sample(
-                rows[index : index + 1], [state.sampling], eos, token_bitmask=bitmask, drafts=[draft]
+                rows[index : index + 1],
+                [state.sampling],
+                eos,
+                token_bitmask=bitmask,
+                drafts=[draft],
+                draft_probs=[q],
             )
             self._advance_matcher(state, seq, sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)

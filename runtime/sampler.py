@@ -65,6 +65,7 @@ def sample(
     eos_token_ids: Sequence[int] = (),
     token_bitmask: torch.Tensor | None = None,
     drafts: Sequence[int | None] | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[SampledToken]:
     """One token per row of `logits` [N, vocab]; row i is sampled with `sequences[i]`'s settings.
 
@@ -72,9 +73,10 @@ def sample(
     (unless it ignores eos). `token_bitmask` (int32 [N, ceil(vocab / 32)], xgrammar's layout: bit j of
     word w allows token 32 w + j) masks each row to the tokens its structured output allows.
 
-    `drafts`: a speculative draft token a row (None: none), proposed with certainty (an n-gram's). A
-    sampled row keeps it with probability p(draft), else draws from p without it, renormalised; so
-    the token's distribution is p either way, and the draft is accepted when the token equals it.
+    `drafts`: a speculative draft token a row (None: none), drawn from `draft_probs` q [vocab] (None:
+    proposed with certainty, as an n-gram's or a greedy draft's). A sampled row keeps it with
+    probability min(1, p(draft) / q(draft)), else draws from norm(max(p - q, 0)); so the token's
+    distribution is p either way, and the draft is accepted when the token equals it.
     """
     logits = _check_logits(logits, len(sequences))
     raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -91,7 +93,7 @@ def sample(
     )
     if token_bitmask is not None:
         processed = apply_token_bitmask(processed, token_bitmask)
-    token_ids = _choose(processed, sequences, drafts)
+    token_ids = _choose(processed, sequences, drafts, draft_probs)
     chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
     logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
     return [
@@ -246,6 +248,7 @@ def _choose(
     processed: torch.Tensor,
     sequences: Sequence[SequenceSampling],
     drafts: Sequence[int | None] | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """Greedy rows take the argmax (first of ties: lowest id); the others are filtered and drawn (a
     row with a draft by the rejection rule of `sample`)."""
@@ -261,13 +264,19 @@ def _choose(
     for j, i in enumerate(rows):
         draft = drafts[i] if drafts is not None else None
         generator = sequences[i].generator
-        if draft is not None:
-            keep = torch.softmax(filtered[j], dim=-1)[draft]
-            if float(torch.rand((), generator=generator, device=generator.device)) < float(keep):
-                chosen[i] = draft
-                continue
-            filtered[j, draft] = _NEG_INF
-        chosen[i] = draw(filtered[j], generator)
+        if draft is None:
+            chosen[i] = draw(filtered[j], generator)
+            continue
+        p = torch.softmax(filtered[j], dim=-1)
+        q = draft_probs[i] if draft_probs is not None else None
+        keep = p[draft] if q is None else torch.clamp(p[draft] / q[draft], max=1.0)
+        if float(torch.rand((), generator=generator, device=generator.device)) < float(keep):
+            chosen[i] = draft
+            continue
+        residual = p.clone() if q is None else torch.clamp(p - q.to(p), min=0.0)
+        if q is None:
+            residual[draft] = 0.0
+        chosen[i] = draw(residual.log(), generator) if float(residual.sum()) > 0 else draft
     return chosen
 
 

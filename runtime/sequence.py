@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -34,6 +36,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    draft_probs: torch.Tensor | None = None  # [drafts, vocab]: what sampled drafts were drawn from
 
     @property
     def params(self) -> SamplingParams:

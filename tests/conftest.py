@@ -266,6 +266,30 @@ def tiny_model() -> tuple[Any, Any]:
     return ReferenceExecutable(captured.graph, captured.weights), _tiny_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def tiny_draft_model() -> Any:
+    """A draft for the tiny model, with its own KV cache shape: a third layer whose output projections
+    are zero (so it adds nothing), and every weight the tiny model's plus noise, so that it agrees with
+    the tiny model often but not always."""
+    import dataclasses
+
+    import torch
+
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.frontend.capture import capture_weights
+
+    config = dataclasses.replace(TINY_CONFIG, num_hidden_layers=3)
+    weights = tiny_weights()
+    for name in [n for n in weights if n.startswith("model.layers.1.")]:
+        silent = name.endswith(("o_proj.weight", "down_proj.weight"))
+        extra = weights[name] * (0 if silent else 1)
+        weights[name.replace("layers.1.", "layers.2.")] = extra
+    generator = torch.Generator().manual_seed(1)
+    noisy = {name: w + 0.02 * torch.randn(w.shape, generator=generator) for name, w in weights.items()}
+    captured = capture_weights(config, noisy)
+    return ReferenceExecutable(captured.graph, captured.weights)
+
+
 def tiny_weights() -> dict[str, Any]:
     """The tiny Llama's random weights (seed 0)."""
     import torch
@@ -303,6 +327,7 @@ def make_tiny_engine(tiny_model) -> Any:
         step_delay_s: float = 0.0,
         engine_class: type[LLMEngine] = LLMEngine,
         speculative: Any = None,
+        draft: Any = None,
     ) -> LLMEngine:
         executable, tokenizer = tiny_model
         if fail_at_step is not None or step_delay_s:
@@ -314,7 +339,9 @@ def make_tiny_engine(tiny_model) -> Any:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
             speculative=speculative,
         )
-        return engine_class(executable, tokenizer, "tiny", TINY_CONFIG.max_position_embeddings, config)
+        return engine_class(
+            executable, tokenizer, "tiny", TINY_CONFIG.max_position_embeddings, config, draft=draft
+        )
 
     return make
 

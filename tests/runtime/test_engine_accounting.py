@@ -31,10 +31,24 @@ def _check_blocks(engine) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=ACTIONS, num_blocks=st.integers(12, 40), caching=st.booleans(), speculate=st.booleans())
-def test_random_add_step_abort_never_leaks(make_tiny_engine, actions, num_blocks, caching, speculate) -> None:
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3) if speculate else None
-    engine = make_tiny_engine(num_blocks=num_blocks, enable_prefix_caching=caching, speculative=spec)
+@given(
+    actions=ACTIONS,
+    num_blocks=st.integers(12, 40),
+    caching=st.booleans(),
+    speculate=st.sampled_from([None, "ngram", "draft_model"]),
+)
+def test_random_add_step_abort_never_leaks(
+    make_tiny_engine, tiny_draft_model, actions, num_blocks, caching, speculate
+) -> None:
+    spec = draft = None
+    if speculate == "ngram":
+        spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+    elif speculate == "draft_model":
+        spec = SpeculativeConfig(method="draft_model", model="tiny-draft", num_speculative_tokens=3)
+        draft = tiny_draft_model
+    engine = make_tiny_engine(
+        num_blocks=num_blocks, enable_prefix_caching=caching, speculative=spec, draft=draft
+    )
     shared = list(range(2, 30))
     added: list[str] = []
     for action in actions:

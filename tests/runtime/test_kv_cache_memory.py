@@ -17,7 +17,7 @@ PER_BLOCK = SPEC.bytes_per_block(16)
 
 def test_the_default_holds_max_num_seqs_full_length_sequences() -> None:
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4))
-    plan = plan_kv_cache(config, SPEC, max_model_len=1000)
+    plan = plan_kv_cache(config, [SPEC], max_model_len=1000)
     assert plan.num_blocks == 4 * 63 + 1  # ceil(1000 / 16) blocks a sequence, and the null block
     assert plan.num_tokens == 4 * 63 * 16 and plan.bytes == plan.num_blocks * PER_BLOCK
     assert "4 sequences of 1,000 tokens" in plan.describe()
@@ -25,17 +25,17 @@ def test_the_default_holds_max_num_seqs_full_length_sequences() -> None:
 
 def test_the_default_is_capped_by_available_memory() -> None:
     config = EngineConfig(kv_cache_fraction=0.01, scheduler=SchedulerConfig(max_num_seqs=1024))
-    plan = plan_kv_cache(config, SPEC, max_model_len=131072)
+    plan = plan_kv_cache(config, [SPEC], max_model_len=131072)
     assert plan.bytes <= available_memory_bytes() * 0.01 * 1.01
     assert "capped at 1% of the" in plan.describe()
 
 
 def test_explicit_sizes_win() -> None:
-    assert plan_kv_cache(EngineConfig(num_blocks=7), SPEC, 8192).num_blocks == 7
-    by_bytes = plan_kv_cache(EngineConfig(kv_cache_memory=10 * PER_BLOCK + 5), SPEC, 8192)
+    assert plan_kv_cache(EngineConfig(num_blocks=7), [SPEC], 8192).num_blocks == 7
+    by_bytes = plan_kv_cache(EngineConfig(kv_cache_memory=10 * PER_BLOCK + 5), [SPEC], 8192)
     assert by_bytes.num_blocks == 10 and "kv_cache_memory" in by_bytes.describe()
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        plan_kv_cache(EngineConfig(kv_cache_memory=PER_BLOCK), SPEC, 8192)
+        plan_kv_cache(EngineConfig(kv_cache_memory=PER_BLOCK), [SPEC], 8192)
 
 
 def _resident_anon_kib() -> int:

@@ -1,6 +1,7 @@
-"""n-gram speculative decoding: the proposer, the config, greedy tokens identical with and without
-speculation on the tiny model and on SmolLM2 and Qwen2.5-Coder-0.5B (alone and batched with other
-requests, sampled ones included), and sampled tokens distributed as without speculation (chi-square)."""
+"""Speculative decoding, n-gram and draft model: the proposers, the config, greedy tokens identical with
+and without speculation on the tiny model and on SmolLM2 and Qwen2.5-Coder-0.5B (alone and batched with
+other requests, sampled ones included), and sampled tokens distributed as without speculation
+(chi-square, for drafts proposed with certainty and for drafts drawn from a draft distribution)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_the_longest_latest_match_proposes() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ('{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}', "draft model"),
+        ('{"method": "draft_model"}', "does not fit"),
+        ('{"method": "ngram", "model": "smollm2"}', "does not fit"),
         ('{"method": "eagle"}', "not supported"),
         ('{"method": "ngram", "k": 3}', "unknown speculative config keys"),
         ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
@@ -34,6 +36,15 @@ def test_the_longest_latest_match_proposes() -> None:
 def test_bad_configs_are_refused(raw: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(raw)
+
+
+def test_a_named_model_means_a_draft_model() -> None:
+    config = SpeculativeConfig.parse('{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}')
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        "qwen2.5-coder-0.5b-instruct",
+        4,
+    )
 
 
 def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
@@ -53,6 +64,74 @@ def test_tiny_model_greedy_tokens_are_identical(make_tiny_engine) -> None:
     greedy_ids = [f"r{i}" for i, p in enumerate(params) if p.greedy]
     assert [speculated[r] for r in greedy_ids] == [plain[r] for r in greedy_ids]
     assert engine.stats.num_spec_accepted_tokens > 0  # the drafts were used, not only proposed
+
+
+DRAFT = SpeculativeConfig(method="draft_model", model="tiny-draft", num_speculative_tokens=3)
+
+
+def test_tiny_draft_model_greedy_tokens_are_identical(make_tiny_engine, tiny_model, tiny_draft_model) -> None:
+    """A noisy draft (some drafts rejected) and the tiny model drafting for itself (every draft accepted:
+    the draft's own cache is right, also for request ids used again), batched with sampled requests, and
+    in a cache small enough to preempt."""
+    prompts = [[(3 * i + j) % 40 + 2 for j in range(5 + 3 * i)] * 2 for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    params = [greedy, greedy, sampled, greedy, sampled, greedy]
+    greedy_ids = [f"r{i}" for i, p in enumerate(params) if p.greedy]
+    for num_blocks in (64, 24):
+        plain = _run(make_tiny_engine(num_blocks=num_blocks), prompts, params)
+        noisy = make_tiny_engine(num_blocks=num_blocks, speculative=DRAFT, draft=tiny_draft_model)
+        drafted = _run(noisy, prompts, params)
+        assert [drafted[r] for r in greedy_ids] == [plain[r] for r in greedy_ids]
+        stats = noisy.stats
+        assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+        if num_blocks == 24:
+            assert noisy.scheduler.num_preemptions > 0
+        itself = make_tiny_engine(num_blocks=num_blocks, speculative=DRAFT, draft=tiny_model[0])
+        only_greedy = [p for p, q in zip(prompts, params, strict=True) if q.greedy]
+        for _ in range(2):  # the second time with the same request ids, and prefix-cache hits
+            mirrored = _run(itself, only_greedy, [greedy] * len(only_greedy))
+            assert sorted(mirrored.values()) == sorted(plain[r] for r in greedy_ids)
+        if num_blocks == 64:
+            assert itself.stats.num_spec_accepted_tokens == itself.stats.num_spec_draft_tokens
+
+
+def test_a_draft_executable_needs_the_draft_method(make_tiny_engine, tiny_draft_model) -> None:
+    with pytest.raises(ValueError, match="draft executable"):
+        make_tiny_engine(speculative=NGRAM, draft=tiny_draft_model)
+    with pytest.raises(ValueError, match="draft executable"):
+        make_tiny_engine(speculative=DRAFT)
+
+
+def test_drafts_drawn_from_q_keep_the_distribution() -> None:
+    """The rejection rule with a draft distribution q far from p: 6,000 seeded rounds of "draw the draft
+    from q, then verify" against 6,000 plain draws from p; a chi-square test of homogeneity must not
+    reject at p = 0.001, and the draft is kept at the rate sum(min(p, q)) (within 5 standard deviations)."""
+    from scipy.stats import chi2_contingency
+
+    from kiln.runtime.sampler import SequenceSampling, draw, make_generator, sample
+
+    logits = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]])
+    draft_logits = torch.tensor([0.0, 2.0, 1.0, 1.5, -1.0, 0.5])
+    q = torch.softmax(draft_logits, -1)
+    p = torch.softmax(logits[0], -1)
+    params = SamplingParams(temperature=1.0)
+    draws = 6000
+    plain: dict[int, int] = {}
+    verified: dict[int, int] = {}
+    kept = 0
+    for seed in range(draws):
+        (token,) = sample(logits, [SequenceSampling(params, make_generator(seed))])
+        plain[token.token_id] = plain.get(token.token_id, 0) + 1
+        draft = draw(draft_logits, make_generator(draws + seed))
+        rows = [SequenceSampling(params, make_generator(2 * draws + seed))]
+        (token,) = sample(logits, rows, drafts=[draft], draft_probs=[q])
+        verified[token.token_id] = verified.get(token.token_id, 0) + 1
+        kept += token.token_id == draft
+    tokens = sorted(set(plain) | set(verified))
+    assert chi2_contingency([[t.get(k, 0) for k in tokens] for t in (plain, verified)]).pvalue > 0.001
+    rate = float(torch.minimum(p, q).sum())
+    assert abs(kept - draws * rate) < 5 * (draws * rate * (1 - rate)) ** 0.5
 
 
 def test_sampled_tokens_keep_their_distribution(tiny_model) -> None:
@@ -110,15 +189,25 @@ TASKS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "qwen2.5-coder-0.5b-instruct"])
 def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) -> None:
+    """Plain, n-gram and draft-model decoding make the same greedy tokens, alone and batched. The draft
+    is the model itself (compiled once, loaded twice: a second executable with its own cache), so every
+    draft must be accepted: any slip in the draft's cache bookkeeping would show as rejections. A draft
+    with another vocabulary is refused."""
     from kiln.frontend.pull import kiln_home
+    from kiln.llm import OptionsError
 
     path = (
         smollm2_gguf_path if model == "smollm2" else kiln_home() / "models" / model / f"{model}-q4_k_m.gguf"
     )
     if not path.is_file():
         pytest.skip(f"{model} not found at {path}; `make test` fetches it (`kiln pull {model}`)")
+    methods = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        "draft_model": {"model": str(path), "num_speculative_tokens": 3},
+    }
     outputs = {}
-    for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}):
+    for method, speculative in methods.items():
         llm = kiln.LLM(str(path), max_num_seqs=4, speculative_config=speculative, show_progress=False)
         tokenizer = llm.get_tokenizer()
         prompts = [
@@ -130,18 +219,24 @@ def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) 
             )
             for task in TASKS
         ]
-        greedy = SamplingParams(temperature=0, max_tokens=96)
+        greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # no drafts cut short
         alone = [_run(llm.engine, [prompt], [greedy])["r0"] for prompt in prompts]
+        stats = llm.engine.stats
+        if method == "ngram":
+            assert stats.num_spec_accepted_tokens > 0
+        if method == "draft_model":  # greedy drafts of the model itself
+            assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
         batched = _run(  # with a sampled request beside them
             llm.engine,
             [*prompts, prompts[0]],
             [greedy, greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=96)],
         )
-        outputs[speculative is not None] = (alone, [batched["r0"], batched["r1"]])
-        if speculative is not None:
-            assert llm.engine.stats.num_spec_accepted_tokens > 0
-    assert outputs[True] == outputs[False]
-    assert outputs[False][0] == outputs[False][1]  # batching changes nothing either
+        outputs[method] = (alone, [batched["r0"], batched["r1"]])
+    assert outputs["ngram"] == outputs["plain"] == outputs["draft_model"]
+    assert outputs["plain"][0] == outputs["plain"][1]  # batching changes nothing either
+    if model != "smollm2":
+        with pytest.raises(OptionsError, match=r"49,152 tokens.*151,936"):
+            kiln.LLM(str(path), speculative_config={"model": str(smollm2_gguf_path)}, show_progress=False)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,26 @@ def test_metrics_move_with_traffic(api_server) -> None:
     assert after["kiln:e2e_request_latency_seconds_sum"] > before.get(
         "kiln:e2e_request_latency_seconds_sum", 0
     )
+
+
+def test_a_draft_model_speculates_behind_the_api(start_server, smollm2_gguf_path) -> None:
+    """`kiln serve --speculative-config '{"model": ...}'` (SmolLM2 drafting for itself): the greedy text
+    is the same streamed or not, and /metrics counts the drafts, nearly all accepted."""
+    config = json.dumps({"model": str(smollm2_gguf_path), "num_speculative_tokens": 3})
+    server = start_server("--max-model-len", "1024", "--speculative-config", config)
+    messages = [
+        {"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}
+    ]
+    client = server.client()
+    greedy: dict = {"max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}  # no cut drafts
+    reply = client.chat.completions.create(model=server.model, messages=messages, **greedy)
+    stream = client.chat.completions.create(model=server.model, messages=messages, stream=True, **greedy)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert reply.choices[0].message.content == streamed
+    samples = server.metrics()
+    drafted = samples["kiln:spec_decode_num_draft_tokens_total"]
+    assert drafted > 0 and samples["kiln:spec_decode_num_accepted_tokens_total"] > 0.9 * drafted
+    assert samples["kiln:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(api_server) -> None:
