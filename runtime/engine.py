@@ -285,6 +285,7 @@ class LLMEngine:
         state = self._states[seq.seq_id]
         request = seq.request
         touched[request.request_id] = request
+        self._release_held(request)  # the prompt's last token may be the one that speculates
         accepted = 0
         eos = self.tokenizer.eos_token_ids
         for index in range(num_drafts + 1):

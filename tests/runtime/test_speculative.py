@@ -96,6 +96,20 @@ def test_tiny_draft_model_greedy_tokens_are_identical(make_tiny_engine, tiny_mod
             assert itself.stats.num_spec_accepted_tokens == itself.stats.num_spec_draft_tokens
 
 
+def test_the_prompts_last_token_may_speculate(make_tiny_engine, tiny_draft_model) -> None:
+    """A chunked prompt leaves its last token for a step of its own, which drafts: the first token is
+    then sampled by the verifier, and an n > 1 request's other samples must still be admitted."""
+    engine = make_tiny_engine(max_num_batched_tokens=8, speculative=DRAFT, draft=tiny_draft_model)
+    engine.add_request("r", list(range(2, 11)), SamplingParams(n=2, max_tokens=5, temperature=0))
+    outputs = []
+    for _ in range(100):
+        outputs += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert [len(c.token_ids) for c in outputs[0].outputs] == [5, 5]
+    assert engine.stats.num_spec_drafts > 0
+
+
 def test_a_draft_executable_needs_the_draft_method(make_tiny_engine, tiny_draft_model) -> None:
     with pytest.raises(ValueError, match="draft executable"):
         make_tiny_engine(speculative=NGRAM, draft=tiny_draft_model)
