@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.ir import DTYPES, StepInputs
@@ -101,6 +102,7 @@ class TVMExecutable:
         ffi = load_runtime()
         if device == "cuda":
             load_cuda_runtime()
+        register_collectives(ffi)
         self.ffi = ffi
         self._device_caches: dict[int, torch.Tensor] = {}
         self.kv_cache_spec = kv_cache_spec

@@ -532,6 +532,40 @@ def _transpose(lw: Lowerer, node: Node) -> list[relax.Expr]:
     return [lw.emit(relax.op.permute_dims(lw.value(node.inputs[0]), [int(p) for p in node.attrs["perm"]]))]
 
 
+@lowering("all_reduce")
+def _all_reduce(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    world = relax.prim_value(int(node.attrs["world"]))  # type: ignore[arg-type]
+    x = lw.value(node.inputs[0])
+    return [lw.emit(relax.call_dps_packed("kiln.all_reduce", [x, world], _out_sinfo(lw, node)))]
+
+
+@lowering("all_gather")
+def _all_gather(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    world = relax.prim_value(int(node.attrs["world"]))  # type: ignore[arg-type]
+    dim = relax.prim_value(int(node.attrs["dim"]))  # type: ignore[arg-type]
+    x = lw.value(node.inputs[0])
+    return [lw.emit(relax.call_dps_packed("kiln.all_gather", [x, world, dim], _out_sinfo(lw, node)))]
+
+
+@lowering("shard_embedding")
+def _shard_embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    """take of the ids inside [vocab_start, vocab_start + rows), zero rows for the others."""
+    table, ids = lw.value(node.inputs[0]), lw.value(node.inputs[1])
+    rows = int(node.inputs[0].type.shape[0])  # type: ignore[union-attr]
+    local = lw.emit(relax.op.subtract(ids, relax.const(int(node.attrs["vocab_start"]), "int64")))
+    inside = lw.emit(
+        relax.op.logical_and(
+            relax.op.greater_equal(local, relax.const(0, "int64")),
+            relax.op.less(local, relax.const(rows, "int64")),
+        )
+    )
+    clipped = lw.emit(relax.op.where(inside, local, relax.const(0, "int64")))
+    looked_up = lw.emit(relax.op.take(table, clipped, axis=0, mode="clip"))
+    dtype = _DTYPES[node.outputs[0].type.dtype]
+    mask = lw.emit(relax.op.astype(relax.op.expand_dims(inside, -1), dtype))
+    return [lw.emit(relax.op.multiply(looked_up, mask))]
+
+
 def unsupported_nodes(graph: Graph) -> list[str]:
     """Why each node without a lowering cannot be lowered (the capability check)."""
     return [

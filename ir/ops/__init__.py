@@ -1,6 +1,17 @@
 """The registered ops. Importing this package registers every op once."""
 
-from kiln.ir.ops import attention, basic, fused, moe, quant
+from kiln.ir.ops import attention, basic, collective, fused, moe, quant
 from kiln.ir.ops.registry import REGISTRY, OpDef, ShapeError, get_op
 
-__all__ = ["REGISTRY", "OpDef", "ShapeError", "attention", "basic", "fused", "get_op", "moe", "quant"]
+__all__ = [
+    "REGISTRY",
+    "OpDef",
+    "ShapeError",
+    "attention",
+    "basic",
+    "collective",
+    "fused",
+    "get_op",
+    "moe",
+    "quant",
+]

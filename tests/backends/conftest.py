@@ -5,12 +5,16 @@ blocks of 16, prompts crossing block boundaries."""
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from tokenizers import Tokenizer, models
 
@@ -196,3 +200,48 @@ def ragged() -> Callable[[int], tuple[dict[str, list[int]], StepInputs, StepInpu
 @pytest.fixture(scope="session")
 def ragged_run() -> Callable[[list[Executable], int], list[list[torch.Tensor]]]:
     return run_ragged
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks_of(world: int, work: Callable[[int], Any], timeout: float = 120) -> list[Any]:
+    """`work(rank)` in `world` forked processes joined by a gloo group; their results by rank."""
+    context = multiprocessing.get_context("fork")
+    results: Any = context.Queue()
+    port = _free_port()
+
+    def main(rank: int) -> None:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            results.put((rank, work(rank)))
+        finally:
+            dist.destroy_process_group()
+
+    processes = [context.Process(target=main, args=(rank,)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    collected = {}
+    try:
+        for _ in range(world):
+            rank, result = results.get(timeout=timeout)
+            collected[rank] = result
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(collected))} gave no result in {timeout} s")
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert all(process.exitcode == 0 for process in processes)
+    return [collected[rank] for rank in range(world)]
+
+
+@pytest.fixture(scope="session")
+def run_ranks() -> Callable[..., list[Any]]:
+    """`run_ranks(world, work)`: `work(rank)` in `world` forked processes joined by a gloo group."""
+    return run_ranks_of
