@@ -120,8 +120,8 @@ def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-        "\"prompt_lookup_max\": 4}' (drafts from each sequence's own tokens) or '{\"model\": "
-        "\"qwen2.5-coder-0.5b-instruct\", \"num_speculative_tokens\": 3}' (drafts from a smaller model "
+        '"prompt_lookup_max": 4}\' (drafts from each sequence\'s own tokens) or \'{"model": '
+        '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\' (drafts from a smaller model '
         "with the same vocabulary, compiled like the model)",
     )
 
