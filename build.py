@@ -20,6 +20,8 @@ from kiln.frontend.load import load_model
 from kiln.frontend.source import ModelSource, QuantizedTensor
 from kiln.ir import Program, print_graph
 from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
+from kiln.passes.base import PassError
+from kiln.passes.shard import shard
 from kiln.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[str, float], None]  # (stage that just ended, seconds it took)
@@ -35,6 +37,8 @@ class PipelineOptions:
     group_size: int = 32
     dtype: str = "f32"
     context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
+    tensor_parallel_size: int = 1
+    rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
 
 
 @dataclass
@@ -108,11 +112,18 @@ def optimize(
     if options.context_len is not None and options.context_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=options.context_len)
     captured = capture_weights(config, weights)
-    captured_program = Program(captured.graph, captured.weights)
+    captured_program = shard(
+        Program(captured.graph, captured.weights), options.tensor_parallel_size, options.rank
+    )
     captured_at = time.perf_counter()
     if progress is not None:
         progress("capture", captured_at - start)
     options_for_passes = pass_options(options, source)
+    if options.tensor_parallel_size > 1 and options_for_passes.quantization == "gguf":
+        raise PassError(
+            "GGUF blocks are not sharded for tensor parallelism yet",
+            hint="use --quantization int8 or int4 (each rank quantizes its slices) or none",
+        )
     passes = pipeline(options.opt_level, options_for_passes)
     program, report = PassManager(passes).run(captured_program, options_for_passes)
     if progress is not None:

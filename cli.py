@@ -36,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         max_model_len=args.max_model_len,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
         **_model_options(args),
     )
     tokenizer = llm.get_tokenizer()
@@ -88,6 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.model,
         max_model_len=args.max_model_len,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
         **_model_options(args),
         **{name: value for name, value in sizes.items() if value is not None},
     )
@@ -113,6 +115,16 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     return 0
+
+
+def _add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="run the model on this many ranks (processes over gloo on this machine); so far with "
+        "--backend reference and --quantization none, int8 or int4 (docs/passes.md)",
+    )
 
 
 def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
@@ -464,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     _add_speculative_option(generate)
+    _add_tensor_parallel_option(generate)
     generate.add_argument("--max-model-len", type=int, default=None)
     _add_model_options(generate)
     generate.set_defaults(run=_generate)
@@ -526,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic",
     )
     _add_speculative_option(serve)
+    _add_tensor_parallel_option(serve)
     serve.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,

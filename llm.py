@@ -8,6 +8,7 @@ own quantized blocks). The second start only loads.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kiln.build import Progress
+from kiln.build import PipelineOptions, Progress
 from kiln.compiler import (
     AUTO,
     CompileOptions,
@@ -37,6 +38,7 @@ from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
+from kiln.runtime.tensor_parallel import ReferenceRanks, TensorParallelExecutable
 from kiln.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -131,6 +133,35 @@ def open_draft(model: str, target_artifact: LoadedArtifact, **options: Any) -> L
     return draft
 
 
+def _check_tensor_parallel(
+    world: int, backend: str, quantization: str | None, dtype: str | None
+) -> str | None:
+    """The quantization tensor parallelism runs with (auto: none); what it cannot run is refused."""
+    if backend != "reference":
+        raise OptionsError(
+            f"tensor parallelism runs on the reference backend only so far, not {backend}",
+            hint=f"add --backend reference to --tensor-parallel-size {world}",
+        )
+    if quantization == "gguf":
+        raise OptionsError(
+            "GGUF blocks are not sharded for tensor parallelism yet",
+            hint="use --quantization none, int8 or int4 (each rank quantizes its slices)",
+        )
+    if dtype not in (None, "f32"):
+        raise OptionsError(f"tensor parallelism runs in float32 so far, not {dtype}")
+    return None if quantization == AUTO else quantization_arg(quantization)
+
+
+def with_tensor_parallel_ranks(
+    artifact: LoadedArtifact, model: str, world: int, quantization: str | None
+) -> LoadedArtifact:
+    """`artifact` (the whole model's, for its tokenizer and limits) running on `world` ranks: rank 0 in
+    this process, the others spawned, each building its shard of `model` (runtime/tensor_parallel.py)."""
+    options = PipelineOptions(quantization=quantization, tensor_parallel_size=world)
+    ranks = TensorParallelExecutable(ReferenceRanks(model, options), world)
+    return dataclasses.replace(artifact, executable=ranks)
+
+
 def describe(artifact: LoadedArtifact) -> str:
     """backend, target and quantization of a loaded artifact, for a person."""
     entry = artifact.target_entry
@@ -140,9 +171,11 @@ def describe(artifact: LoadedArtifact) -> str:
     if mcpu and artifact.target.kind == "cpu" and artifact.target.detail is None:
         target = f"{target} ({mcpu})"
     quantization = compiled.get("quantization") or "none"
+    ranks = artifact.executable
+    parallel = f", tensor-parallel {ranks.world}" if isinstance(ranks, TensorParallelExecutable) else ""
     return (
         f"backend {entry['backend']}, target {target}, quantization {quantization}, "
-        f"dtype {compiled.get('dtype', 'f32')}"
+        f"dtype {compiled.get('dtype', 'f32')}{parallel}"
     )
 
 
@@ -164,8 +197,11 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         speculative_config: str | dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
         show_progress: bool = True,
     ) -> None:
+        if tensor_parallel_size > 1:
+            quantization = _check_tensor_parallel(tensor_parallel_size, backend, quantization, dtype)
         self.artifact = open_model(
             model,
             backend=backend,
@@ -174,6 +210,10 @@ class LLM:
             target=target,
             show_progress=show_progress,
         )
+        if tensor_parallel_size > 1:
+            self.artifact = with_tensor_parallel_ranks(
+                self.artifact, model, tensor_parallel_size, quantization
+            )
         speculative = _speculative(speculative_config)
         self.draft_artifact = None
         if speculative is not None and speculative.model is not None:

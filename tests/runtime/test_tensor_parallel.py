@@ -1,0 +1,36 @@
+"""Tensor-parallel execution (runtime/tensor_parallel.py): rank 0 in the engine's process, the other
+ranks spawned, each step's inputs broadcast over gloo. SmolLM2 (9 heads, 3 KV heads) at TP 3 makes
+the greedy tokens of one process. (A worker that dies: tests/server/test_tensor_parallel.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.build import PipelineOptions, build_reference
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine import LLMEngine
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.tensor_parallel import ReferenceRanks, TensorParallelExecutable
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+
+
+def _greedy(executable, tokenizer, max_tokens: int = 16) -> dict[str, list[int]]:
+    engine = LLMEngine(executable, tokenizer, "m", 512, EngineConfig(num_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    return {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_makes_the_tokens_of_one_process(smollm2_gguf_path) -> None:
+    whole = build_reference(str(smollm2_gguf_path), PipelineOptions(quantization=None))
+    expected = _greedy(whole.executable, whole.tokenizer)
+    options = PipelineOptions(quantization=None, tensor_parallel_size=3)
+    ranks = TensorParallelExecutable(ReferenceRanks(str(smollm2_gguf_path), options), 3)
+    try:
+        assert ranks.kv_cache_spec.num_kv_heads == 1
+        assert _greedy(ranks, whole.tokenizer) == expected
+    finally:
+        ranks.close()
