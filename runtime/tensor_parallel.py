@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +70,14 @@ def _payload_size(header: torch.Tensor) -> int:
     return 3 * tokens + seqs * width + 2 * seqs + 1 + logits
 
 
+def _share_cores(world: int) -> None:
+    """Each rank gets its share of this machine's cores for torch's threads (more would oversubscribe
+    them: a rank that waits in a collective for one that has no core is time lost by all)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
 def _worker(rank: int, world: int, port: int, make: Callable[[int], Executable]) -> None:
+    _share_cores(world)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
     )
@@ -108,6 +116,14 @@ class TensorParallelExecutable:
         if dist.is_initialized():
             raise BackendError("this process already belongs to a process group; one model a process")
         self.world = world
+        self._threads = torch.get_num_threads()  # this process's own, given back by close()
+        _share_cores(world)
+        try:
+            self.executable = make(0)  # first: a model that does not split fails before a worker starts
+        except BaseException:
+            torch.set_num_threads(self._threads)
+            raise
+        self.kv_cache_spec = self.executable.kv_cache_spec
         port = _free_port()
         context = multiprocessing.get_context("spawn")
         self.workers = [
@@ -119,8 +135,6 @@ class TensorParallelExecutable:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, timeout=TIMEOUT
         )
-        self.executable = make(0)
-        self.kv_cache_spec = self.executable.kv_cache_spec
         self._cache: torch.Tensor | None = None
         self._closed = False
 
@@ -164,3 +178,4 @@ class TensorParallelExecutable:
             if worker.is_alive():
                 worker.kill()
         dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
