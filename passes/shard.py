@@ -127,6 +127,16 @@ def _plan(graph: Graph, weights: dict[str, torch.Tensor], tp: int, rank: int) ->
     return plan
 
 
+def _share(size: int, what: str, tp: int) -> int:
+    """size / tp, or a PassError naming `what` (a format with the size) when tp does not divide it."""
+    if size % tp:
+        raise PassError(
+            f"tensor-parallel size {tp} does not divide {what.format(size)}",
+            hint=f"choose a divisor of {size}",
+        )
+    return size // tp
+
+
 def _weight_name(node: Node, index: int) -> str | None:
     value = node.inputs[index] if len(node.inputs) > index else None
     return value.name if value is not None and value.kind is ValueKind.PARAM else None
@@ -148,17 +158,12 @@ def _plan_attention(
 ) -> None:
     q_type, k_type = node.inputs[0].type, node.inputs[1].type  # type: ignore[union-attr]
     heads, kv_heads, head_dim = int(q_type.shape[1]), int(k_type.shape[1]), int(q_type.shape[2])
-    if heads % tp:
-        raise PassError(
-            f"tensor-parallel size {tp} does not divide the {heads} attention heads",
-            hint=f"choose a divisor of {heads}",
-        )
+    local_heads = _share(heads, "the {} attention heads", tp)
     if kv_heads % tp and tp % kv_heads:
         raise PassError(
             f"tensor-parallel size {tp} and the {kv_heads} KV heads: one must divide the other",
             hint=f"choose a divisor or a multiple of {kv_heads} that divides {heads}",
         )
-    local_heads = heads // tp
     group = heads // kv_heads
     local_kv = max(kv_heads // tp, 1)
     first_kv = rank * local_heads // group
@@ -207,13 +212,7 @@ def _plan_mlp(
         if source is None or source.op != "linear":
             return
         projections.append(source)
-    width = int(node.outputs[0].type.shape[-1])
-    if width % tp:
-        raise PassError(
-            f"tensor-parallel size {tp} does not divide the MLP's {width} intermediate features",
-            hint=f"choose a divisor of {width}",
-        )
-    local = width // tp
+    local = _share(int(node.outputs[0].type.shape[-1]), "the MLP's {} intermediate features", tp)
     for projection in projections:
         _split(plan, projection, rank * local, (rank + 1) * local, columns=False)
     _split(plan, users[0], rank * local, (rank + 1) * local, columns=True)
@@ -226,13 +225,7 @@ def _plan_vocabulary(graph: Graph, producers: dict[str, Node], plan: _Plan, tp: 
         node = producers.get(node.inputs[0].name) if node.inputs[0] is not None else None
     if node is None:
         raise PassError("cannot shard: the logits do not come from a projection")
-    vocab = int(node.outputs[0].type.shape[-1])
-    if vocab % tp:
-        raise PassError(
-            f"tensor-parallel size {tp} does not divide the vocabulary of {vocab} tokens",
-            hint=f"choose a divisor of {vocab}",
-        )
-    local = vocab // tp
+    local = _share(int(node.outputs[0].type.shape[-1]), "the vocabulary of {} tokens", tp)
     _split(plan, node, rank * local, (rank + 1) * local, columns=False)
     plan.column.discard(node)
     plan.lm_head = node
