@@ -87,7 +87,8 @@ def resolve_quantization(requested: str | None, source: ModelSource | None) -> s
 def pass_options(options: PipelineOptions, source: ModelSource | None = None) -> PassOptions:
     """Pass options; the gguf quantization imports `source`'s GGUF blocks, the LM head's too (llama.cpp
     multiplies by them as well)."""
-    quantization = resolve_quantization(options.quantization, source)
+    gguf_source = source if options.tensor_parallel_size == 1 else None  # unsharded blocks: auto is none
+    quantization = resolve_quantization(options.quantization, gguf_source)
     gguf = quantization == "gguf"
     return PassOptions(
         quantization=quantization,
@@ -156,6 +157,18 @@ def build_program(
         tokenizer=runtime_tokenizer(source),
         seconds=seconds,
     )
+
+
+def rank_programs(built: BuiltProgram, options: PipelineOptions) -> list[Program]:
+    """The programs of ranks 1.. of `options.tensor_parallel_size`, beside `built` (rank 0's): each
+    rank's shard of the same weights through the same pipeline."""
+    if options.tensor_parallel_size == 1:
+        return []
+    weights = built.source.float_weights()
+    return [
+        optimize(built.config, weights, dataclasses.replace(options, rank=rank), built.source).program
+        for rank in range(1, options.tensor_parallel_size)
+    ]
 
 
 @dataclass

@@ -24,6 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
     from kiln.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
+    if _torchrun_worker(args):
+        return 0
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -52,6 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         for output in engine.step():
             print(output.outputs[0].delta_text, end="", flush=True)
     print()
+    llm.close()
     return 0
 
 
@@ -65,12 +68,28 @@ def _model_options(args: argparse.Namespace) -> dict[str, str | None]:
     }
 
 
+def _torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun, ranks 1.. run their shard of the artifact until rank 0 stops (True); rank 0 and
+    a process torchrun did not start go on (False)."""
+    from kiln.runtime.artifact import run_artifact_rank
+    from kiln.runtime.tensor_parallel import torchrun_rank
+
+    launch = torchrun_rank()
+    if launch is None or launch[0] == 0:
+        return False
+    run_artifact_rank(Path(args.model), args.target)
+    return True
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from kiln.llm import LLM, describe
     from kiln.runtime.async_engine import AsyncEngine
     from kiln.server.run import run_server
+
+    if _torchrun_worker(args):
+        return 0
 
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
@@ -114,16 +133,18 @@ def _serve(args: argparse.Namespace) -> int:
         auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
     )
+    llm.close()
     return 0
 
 
-def _add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+def _add_tensor_parallel_option(parser: argparse.ArgumentParser, compiling: bool = False) -> None:
+    default = "1" if compiling else "an artifact's own, else 1"
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
-        help="run the model on this many ranks (processes over gloo on this machine); so far with "
-        "--backend reference and --quantization none, int8 or int4 (docs/passes.md)",
+        default=1 if compiling else None,
+        help=f"split the model over this many ranks, processes joined by gloo on this machine's CPU (default "
+        f"{default}); backends tvm and reference, quantization none, int8 or int4 (docs/passes.md)",
     )
 
 
@@ -153,6 +174,7 @@ def _compile(args: argparse.Namespace) -> int:
         OutputError,
         check_output,
         check_targets,
+        check_tensor_parallel,
         compile_model,
         compile_stages,
         plan,
@@ -164,6 +186,7 @@ def _compile(args: argparse.Namespace) -> int:
         chosen = plan(args.backend, args.target)
         targets = chosen.targets
         check_targets(chosen.backend, targets)
+        check_tensor_parallel(chosen.backend, targets, args.tensor_parallel_size)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -177,6 +200,7 @@ def _compile(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         tuning_logs=_tuning_logs(args.tuning_logs),
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     show = not (args.quiet or args.json)
     title = (
@@ -555,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
     compile_.add_argument("--max-model-len", type=int, default=None)
     compile_.add_argument("--max-num-seqs", type=int, default=16)
+    _add_tensor_parallel_option(compile_, compiling=True)
     compile_.add_argument(
         "--tuning-logs",
         default=None,

@@ -24,13 +24,13 @@ from typing import Any
 from safetensors.torch import save_file
 
 from kiln import __version__
-from kiln.backends.base import BackendError, CompileSettings, DeviceRequiredError
+from kiln.backends.base import Backend, BackendError, CompileSettings, DeviceRequiredError
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import CUDA_ARCHS, Target, host_gpu_arch, mismatch, parse_targets
-from kiln.build import PipelineOptions, Progress, build_program
+from kiln.build import PipelineOptions, Progress, build_program, rank_programs
 from kiln.errors import KilnError
 from kiln.frontend.pull import kiln_home, resolve_model
-from kiln.ir import Program
+from kiln.ir import Program, print_graph
 from kiln.runtime import artifact as fmt
 from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
@@ -63,11 +63,17 @@ class CompileOptions:
     max_num_seqs: int = 16
     tuning_logs: Path | None = None
     num_threads: int | None = None
+    tensor_parallel_size: int = 1  # ranks: one program (code and weights) each
 
     @property
     def pipeline(self) -> PipelineOptions:
         return PipelineOptions(
-            self.opt_level, self.quantization, self.group_size, self.dtype, self.max_model_len
+            self.opt_level,
+            self.quantization,
+            self.group_size,
+            self.dtype,
+            self.max_model_len,
+            self.tensor_parallel_size,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,6 +83,7 @@ class CompileOptions:
             "quantization": self.quantization,
             "group_size": self.group_size,
             "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
 
 
@@ -143,6 +150,33 @@ def check_targets(backend_name: str, targets: list[Target]) -> None:
         reason = backend.unsupported(target)
         if reason is not None:
             raise BackendError(reason)
+    check_tensor_parallel(backend_name, targets, 1)
+
+
+TENSOR_PARALLEL_BACKENDS = ("tvm", "reference")
+
+
+def check_tensor_parallel(backend: str, targets: list[Target], world: int) -> None:
+    """Refuse at once what tensor parallelism does not run on: backends without the collectives
+    (ONNX Runtime's CPU build has no all-reduce, and cutting its graph at every collective would make
+    two sessions a layer with a host round trip between them) and GPU targets (one NCCL rank a GPU is
+    not built yet)."""
+    if world < 1:
+        raise BackendError(f"--tensor-parallel-size must be at least 1, got {world}")
+    if world == 1:
+        return
+    if backend not in TENSOR_PARALLEL_BACKENDS:
+        raise BackendError(
+            f"tensor parallelism runs on {' and '.join(TENSOR_PARALLEL_BACKENDS)}, not {backend}: its "
+            "CPU build has no collective ops to join the ranks",
+            hint=f"use --backend tvm with --tensor-parallel-size {world}",
+        )
+    for target in targets:
+        if target.kind != "cpu":
+            raise BackendError(
+                f"tensor parallelism runs on CPU ranks over gloo so far, not on {target.name}",
+                hint="use --target cpu, or --tensor-parallel-size 1 on the GPU",
+            )
 
 
 # -- output folders ------------------------------------------------------------------------------------
@@ -197,21 +231,46 @@ def _swap_in(scratch: Path, out: Path, force: bool, keep_existing: bool = False)
 # -- compiling -----------------------------------------------------------------------------------------
 
 
-def _probe(
-    program: Program,
-    backend_name: str,
-    target: Target,
-    folder: Path,
-    weights_file: Path,
-    token_ids: list[int],
-) -> None:
-    from safetensors.torch import load_file
+@dataclass
+class _RankCode:
+    """One rank's compiled code in an artifact being written (paths relative to its root)."""
 
-    executable = get_backend(backend_name).load(folder, load_file(str(weights_file)), target)
-    blocks = list(range(1, -(-len(token_ids) // 16) + 1))
-    cache = executable.kv_cache_spec.allocate(len(blocks) + 1, 16)
-    logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
-    save_file({"logits": logits.contiguous()}, str(folder / fmt.PROBE_FILE))
+    folder: str
+    files: list[str]  # relative to the target's folder
+    manifest: dict[str, Any]
+    kernels: dict[str, str]
+
+
+def _compile_ranks(
+    backend: Backend, programs: list[Program], target: Target, root: Path, settings: CompileSettings
+) -> list[_RankCode]:
+    """Compile each rank's program for `target` under root/<target folder>: one rank there, several each
+    in its subfolder rank<r>, or sharing an earlier rank's code where its graph is the same."""
+    ranks: list[_RankCode] = []
+    compiled: dict[str, _RankCode] = {}  # graph text → the rank that compiled it
+    for rank, program in enumerate(programs):
+        text = print_graph(program.graph)
+        if text not in compiled:
+            subfolder = "" if len(programs) == 1 else f"rank{rank}"
+            code = backend.compile(program, target, root / target.folder / subfolder, settings)
+            files = [f"{subfolder}/{name}" if subfolder else name for name in code.files]
+            folder = f"{target.folder}/{subfolder}" if subfolder else target.folder
+            compiled[text] = _RankCode(folder, files, code.manifest, code.kernels)
+        ranks.append(compiled[text])
+    return ranks
+
+
+def _probe(
+    backend: str, target: Target, root: Path, ranks: list[dict[str, str]], token_ids: list[int]
+) -> None:
+    executable = fmt.load_ranks(backend, target, root, ranks)
+    try:
+        blocks = list(range(1, -(-len(token_ids) // 16) + 1))
+        cache = executable.kv_cache_spec.allocate(len(blocks) + 1, 16)
+        logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
+    finally:
+        fmt.close_executable(executable)
+    save_file({"logits": logits.contiguous()}, str(root / target.folder / fmt.PROBE_FILE))
 
 
 def compile_stages(targets: list[Target]) -> list[str]:
@@ -231,6 +290,7 @@ def compile_model(
     """Compile `model` for `targets` into the folder `out` (see the module doc for what may be replaced;
     `keep_existing`: an artifact already at `out` when this one is done wins, as a cache entry would)."""
     check_targets(options.backend, targets)
+    check_tensor_parallel(options.backend, targets, options.tensor_parallel_size)
     check_output(out, force)
     backend = get_backend(options.backend)
     times: dict[str, float] = {}
@@ -243,6 +303,7 @@ def compile_model(
     digest = source_digest(resolve_model(model))
     built = build_program(model, options.pipeline, stage)
     program, source = built.program, built.source
+    programs = [program, *rank_programs(built, options.pipeline)]
     scratch = _scratch_beside(out)
     try:
         start = time.perf_counter()
@@ -256,38 +317,41 @@ def compile_model(
             num_threads=options.num_threads,
         )
         entries: dict[str, Any] = {}
-        weights_name: str | None = None  # written once, after the first target compiles: targets share it
+        weights: list[str] = []  # each rank's, written after the first target compiles; targets share them
         for target in targets:
-            folder = scratch / target.folder
             try:
-                code = backend.compile(program, target, folder, settings)
+                ranks = _compile_ranks(backend, programs, target, scratch, settings)
             except DeviceRequiredError:
                 # keep what the backend wrote (e.g. the ONNX for a GPU builder) at `out`, without a
                 # manifest: it is not a runnable artifact
                 _swap_in(scratch, out, force)
                 raise
-            if weights_name is None:
-                weights_name = fmt.write_weights(scratch, program.weights)
+            weights = weights or [fmt.write_weights(scratch, p.weights) for p in programs]
+            rank_entries = [
+                {"folder": rank.folder, "weights": name} for rank, name in zip(ranks, weights, strict=True)
+            ]
             runs_here = mismatch(target) is None
             if runs_here:
-                _probe(program, options.backend, target, folder, scratch / weights_name, probe_ids)
+                _probe(options.backend, target, scratch, rank_entries, probe_ids)
             entries[target.name] = {
                 "backend": backend.name,
                 "backend_version": backend.version(),
                 "target": target.name,
                 "gpu_arch": target.gpu_arch,
                 "folder": target.folder,
-                "code": sorted(code.files),
-                "weights": weights_name,
+                "code": sorted({f for rank in ranks for f in rank.files}),
+                "weights": weights[0],
                 "cuda_graph_buckets": [],
-                **code.manifest,
-                "kernels": dict(sorted(code.kernels.items())),
+                **ranks[0].manifest,
+                "kernels": dict(sorted(ranks[0].kernels.items())),
                 "probe": {
                     "token_ids": probe_ids,
                     "logits_file": f"{target.folder}/{fmt.PROBE_FILE}" if runs_here else None,
                     "tolerance": PROBE_TOLERANCE,
                 },
             }
+            if len(ranks) > 1:
+                entries[target.name]["ranks"] = rank_entries
             now = time.perf_counter()
             stage(f"codegen {target.name}", now - start)
             start = now

@@ -8,7 +8,6 @@ own quantized blocks). The second start only loads.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -16,12 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kiln.build import PipelineOptions, Progress
+from kiln.build import Progress
 from kiln.compiler import (
     AUTO,
     CompileOptions,
     OutputError,
     check_targets,
+    check_tensor_parallel,
     compile_stages,
     default_tuning_logs,
     load_or_compile,
@@ -31,14 +31,20 @@ from kiln.compiler import (
 )
 from kiln.console import stage_progress
 from kiln.errors import KilnError
-from kiln.runtime.artifact import LoadedArtifact, is_artifact, load_artifact, read_manifest
+from kiln.runtime.artifact import (
+    LoadedArtifact,
+    close_executable,
+    is_artifact,
+    load_artifact,
+    read_manifest,
+)
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
-from kiln.runtime.tensor_parallel import ReferenceRanks, TensorParallelExecutable
+from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -84,20 +90,32 @@ def open_model(
     quantization: str | None = AUTO,
     dtype: str | None = None,
     target: str | None = None,
+    tensor_parallel_size: int | None = None,
     show_progress: bool = True,
 ) -> LoadedArtifact:
-    """An artifact folder as it is, or `model` compiled (once, into the cache) with these options."""
+    """An artifact folder as it is, or `model` compiled (once, into the cache) with these options.
+    `tensor_parallel_size`: an artifact's own where None; a model's is 1 then."""
     path = Path(model)
     if is_artifact(path):
         _check_artifact_options(path, {"backend": backend, "quantization": quantization, "dtype": dtype})
-        return load_artifact(path, target=target, verdicts=verdicts_folder())
-    chosen = plan(backend, target)
+        return load_artifact(
+            path, target=target, verdicts=verdicts_folder(), tensor_parallel_size=tensor_parallel_size
+        )
+    if torchrun_rank() is not None:
+        raise OptionsError(
+            f"{model}: under torchrun, ranks run an artifact folder, not a model to compile",
+            hint="compile it first: kiln compile MODEL --tensor-parallel-size N -o DIR; give every node DIR",
+        )
+    world = tensor_parallel_size or 1
+    chosen = plan(backend, "cpu" if world > 1 and target is None else target)
     check_targets(chosen.backend, chosen.targets)
+    check_tensor_parallel(chosen.backend, chosen.targets, world)
     options = CompileOptions(
         backend=chosen.backend,
         quantization=quantization_arg(quantization),
         dtype=dtype or "f32",
         tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
+        tensor_parallel_size=world,
     )
 
     @contextmanager
@@ -106,9 +124,10 @@ def open_model(
             yield None
             return
         targets = ", ".join(t.name for t in chosen.targets)
+        ranks = f", {world} tensor-parallel ranks" if world > 1 else ""
         title = (
             f"kiln: first start of {model}: compiling for {chosen.backend} {targets} ({chosen.reason}), "
-            f"quantization {quantization or 'none'}, into {folder}"
+            f"quantization {quantization or 'none'}{ranks}, into {folder}"
         )
         with stage_progress(title, compile_stages(chosen.targets)) as progress:
             yield progress
@@ -131,35 +150,6 @@ def open_draft(model: str, target_artifact: LoadedArtifact, **options: Any) -> L
             hint="pick a smaller model of the same family (same tokenizer), or method ngram",
         )
     return draft
-
-
-def _check_tensor_parallel(
-    world: int, backend: str, quantization: str | None, dtype: str | None
-) -> str | None:
-    """The quantization tensor parallelism runs with (auto: none); what it cannot run is refused."""
-    if backend != "reference":
-        raise OptionsError(
-            f"tensor parallelism runs on the reference backend only so far, not {backend}",
-            hint=f"add --backend reference to --tensor-parallel-size {world}",
-        )
-    if quantization == "gguf":
-        raise OptionsError(
-            "GGUF blocks are not sharded for tensor parallelism yet",
-            hint="use --quantization none, int8 or int4 (each rank quantizes its slices)",
-        )
-    if dtype not in (None, "f32"):
-        raise OptionsError(f"tensor parallelism runs in float32 so far, not {dtype}")
-    return None if quantization == AUTO else quantization_arg(quantization)
-
-
-def with_tensor_parallel_ranks(
-    artifact: LoadedArtifact, model: str, world: int, quantization: str | None
-) -> LoadedArtifact:
-    """`artifact` (the whole model's, for its tokenizer and limits) running on `world` ranks: rank 0 in
-    this process, the others spawned, each building its shard of `model` (runtime/tensor_parallel.py)."""
-    options = PipelineOptions(quantization=quantization, tensor_parallel_size=world)
-    ranks = TensorParallelExecutable(ReferenceRanks(model, options), world)
-    return dataclasses.replace(artifact, executable=ranks)
 
 
 def describe(artifact: LoadedArtifact) -> str:
@@ -197,23 +187,18 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         speculative_config: str | dict[str, Any] | None = None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
         show_progress: bool = True,
     ) -> None:
-        if tensor_parallel_size > 1:
-            quantization = _check_tensor_parallel(tensor_parallel_size, backend, quantization, dtype)
         self.artifact = open_model(
             model,
             backend=backend,
             quantization=quantization,
             dtype=dtype,
             target=target,
+            tensor_parallel_size=tensor_parallel_size,
             show_progress=show_progress,
         )
-        if tensor_parallel_size > 1:
-            self.artifact = with_tensor_parallel_ranks(
-                self.artifact, model, tensor_parallel_size, quantization
-            )
         speculative = _speculative(speculative_config)
         self.draft_artifact = None
         if speculative is not None and speculative.model is not None:
@@ -246,6 +231,10 @@ class LLM:
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks the model runs on, if any (an exiting process stops them too)."""
+        close_executable(self.artifact.executable)
 
     @property
     def kv_cache(self) -> str:

@@ -1,9 +1,10 @@
 """Decode tokens/s at TP 1 against TP 2 (or --tp), and what the ranks exchange a step.
 
     .venv/bin/python bench/tensor_parallel.py [--model smollm2-135m-instruct] [--tp 2] [--streams 1 4]
-        [--tokens 32]
+        [--tokens 32] [--backend tvm|reference] [--quantization none|int8|int4]
 
-Reference backend, float32 (what tensor parallelism runs on so far), greedy, EOS ignored. On rank 0
+Float32 activations (TVM for this CPU by default, compiled into the cache at each size), greedy, EOS
+ignored. On rank 0
 (the engine's process) every `torch.distributed` call is timed and its tensor's bytes counted; the
 table gives, per decode step, the time in collectives and the bytes rank 0 puts into them, beside
 the formula: per step of T token rows and L logits rows, 2 n + 1 all_reduces of T x H float32 (two
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--backend", choices=["tvm", "reference"], default="tvm")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     args = parser.parse_args()
 
     counted = Counted()
@@ -66,7 +69,11 @@ def main() -> None:
     config = None
     for tp in (1, args.tp):
         llm = kiln.LLM(
-            args.model, backend="reference", quantization="none", tensor_parallel_size=tp, show_progress=False
+            args.model,
+            backend=args.backend,
+            quantization=args.quantization,
+            tensor_parallel_size=tp,
+            show_progress=False,
         )
         config = llm.artifact.manifest["model"]["config"]
         for streams in args.streams:
@@ -99,13 +106,15 @@ def main() -> None:
                     dict(counted.bytes),
                 )
             )
-        if tp > 1:
-            llm.artifact.executable.close()
+        llm.close()
         del llm
 
     assert config is not None
     hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    print(f"{args.model}, reference backend float32, greedy, {args.tokens} tokens a stream")
+    print(
+        f"{args.model}, {args.backend}, quantization {args.quantization}, greedy, "
+        f"{args.tokens} tokens a stream"
+    )
     print(f"load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end; {os.cpu_count()} CPUs")
     print(
         f"{'tp':>3}{'streams':>8}{'tok/s':>9}{'steps':>7}{'comm ms/step':>14}{'all_reduce B/step':>19}"

@@ -32,6 +32,7 @@ from kiln.backends.base import Executable
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
+from kiln.runtime.tensor_parallel import CompiledRanks, TensorParallelExecutable, run_worker, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 
 SCHEMA_VERSION = 1
@@ -255,15 +256,84 @@ def check_structure(folder: Path, wanted: str | None = None) -> tuple[list[str],
                 f"machine has {backend.version()}",
                 hint="compile the model again here, or install the backend version it was built with",
             )
-        lines += [f"{name}: {line}" for line in backend.check_structure(folder / target.folder, target)]
+        ranks = rank_entries(entry)
+        for rank in ranks:
+            where = name if len(ranks) == 1 else f"{name} {rank['folder']}"
+            lines += [f"{where}: {line}" for line in backend.check_structure(folder / rank["folder"], target)]
         reason = mismatch(target)
         if reason is not None:
             reasons.append(f"{name}: {reason}")
     return lines, reasons
 
 
-def load_artifact(folder: Path, target: str | None = None, verdicts: Path | None = None) -> LoadedArtifact:
-    """Load an artifact after checking it (see the module doc); `verdicts`: see `check_files`."""
+def tensor_parallel_size_of(manifest: dict[str, Any]) -> int:
+    return int(manifest["compile"].get("tensor_parallel_size", 1))
+
+
+def rank_entries(entry: dict[str, Any]) -> list[dict[str, str]]:
+    """A target entry's ranks: code folder and weights file of each (one, where it is not sharded)."""
+    return entry.get("ranks") or [{"folder": entry["folder"], "weights": entry["weights"]}]
+
+
+def _compiled_ranks(backend: str, target: Target, root: Path, ranks: list[dict[str, str]]) -> CompiledRanks:
+    folders = tuple(str(root / rank["folder"]) for rank in ranks)
+    return CompiledRanks(backend, target.name, folders, tuple(str(root / rank["weights"]) for rank in ranks))
+
+
+def load_ranks(backend: str, target: Target, root: Path, ranks: list[dict[str, str]]) -> Executable:
+    """The executable of an artifact's target: one rank's as it is; several ranks' joined by
+    runtime/tensor_parallel.py (rank 0 in this process, the others in spawned workers or torchrun's)."""
+    if len(ranks) > 1:
+        return TensorParallelExecutable(_compiled_ranks(backend, target, root, ranks), len(ranks))
+    path = root / ranks[0]["weights"]
+    try:
+        weights = load_file(str(path))
+    except (OSError, SafetensorError) as error:
+        raise ArtifactError(f"{path}: cannot read the weights ({error})") from None
+    executable = get_backend(backend).load(root / ranks[0]["folder"], weights, target)
+    release_pages(weights.values())
+    return executable
+
+
+def run_artifact_rank(folder: Path, target: str | None = None) -> None:
+    """This process's rank (1.. of a torchrun launch) of the tensor-parallel artifact at `folder`,
+    stepping with rank 0 until it stops; checked as `load_artifact` checks."""
+    launch = torchrun_rank()
+    assert launch is not None and launch[0] > 0, "run_artifact_rank is for torchrun's ranks 1.."
+    folder = Path(folder)
+    if not is_artifact(folder):
+        raise ArtifactError(
+            f"{folder}: under torchrun, ranks run an artifact folder",
+            hint="compile it first: kiln compile MODEL --tensor-parallel-size N -o DIR; give every node DIR",
+        )
+    manifest = read_manifest(folder)
+    check_files(folder, manifest)
+    world = tensor_parallel_size_of(manifest)
+    if world != launch[1]:
+        raise ArtifactError(
+            f"{folder}: compiled for tensor-parallel size {world}; torchrun started {launch[1]} processes",
+            hint=f"launch torchrun with {world} processes in all (nnodes x nproc-per-node)",
+        )
+    chosen = choose_target(manifest, target)
+    entry = manifest["targets"][chosen.name]
+    run_worker(_compiled_ranks(entry["backend"], chosen, folder, rank_entries(entry)))
+
+
+def close_executable(executable: Executable) -> None:
+    """Stop what an executable runs beside this process (tensor-parallel workers); nothing otherwise."""
+    close = getattr(executable, "close", None)
+    if close is not None:
+        close()
+
+
+def load_artifact(
+    folder: Path,
+    target: str | None = None,
+    verdicts: Path | None = None,
+    tensor_parallel_size: int | None = None,
+) -> LoadedArtifact:
+    """Load an artifact after checking it (see the module doc); `verdicts`: see `check_files`;
+    `tensor_parallel_size`: refused unless the artifact was compiled for it (None: as compiled)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     check_files(folder, manifest, verdicts)
@@ -276,12 +346,14 @@ def load_artifact(folder: Path, target: str | None = None, verdicts: Path | None
             f"{backend.version()}",
             hint="compile the model again here, or install the backend version it was built with",
         )
-    try:
-        weights = load_file(str(folder / entry["weights"]))
-    except (OSError, SafetensorError) as error:
-        raise ArtifactError(f"{folder / entry['weights']}: cannot read the weights ({error})") from None
-    executable = backend.load(folder / chosen.folder, weights, chosen)
-    release_pages(weights.values())
+    world = tensor_parallel_size_of(manifest)
+    if tensor_parallel_size is not None and tensor_parallel_size != world:
+        raise ArtifactError(
+            f"{folder}: compiled for tensor-parallel size {world}, asked to run at {tensor_parallel_size}",
+            hint=f"run it at --tensor-parallel-size {world} (or leave the flag out), or compile the model "
+            f"again with --tensor-parallel-size {tensor_parallel_size}",
+        )
+    executable = load_ranks(entry["backend"], chosen, folder, rank_entries(entry))
     fields = dict(manifest["tokenizer"])
     fields["tokenizer_json"] = (folder / TOKENIZER_FILE).read_text()
     template = folder / CHAT_TEMPLATE_FILE

@@ -6,21 +6,25 @@ the engine's block count and size (so the engine's block tables address every sh
 
 A worker that exits makes the next step raise instead of waiting on it; the process group's timeout
 bounds a collective that a dying worker leaves half done.
+
+Under `torchrun` (one process per rank, on one node or several) nothing is spawned: every process
+joins the group from torchrun's environment (`env://`), rank 0 runs the engine and ranks 1.. run
+`run_worker` until rank 0 stops.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import multiprocessing
 import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from kiln.backends.base import BackendError, Executable
 from kiln.ir import StepInputs
@@ -32,19 +36,22 @@ FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "seq_lens", 
 
 
 @dataclass(frozen=True)
-class ReferenceRanks:
-    """Makes rank r's executable: `model` built with `options` for that rank, on the reference backend.
-    Picklable, so a spawned worker can make its own."""
+class CompiledRanks:
+    """Makes rank r's executable: the `backend`'s code for `target` compiled into `folders[r]`, with the
+    rank's weights from the safetensors file `weights[r]` (an artifact's rank entries). Picklable, so a
+    spawned worker makes its own."""
 
-    model: str
-    options: Any  # kiln.build.PipelineOptions, with tensor_parallel_size set
+    backend: str
+    target: str
+    folders: tuple[str, ...]
+    weights: tuple[str, ...]
 
     def __call__(self, rank: int) -> Executable:
-        from kiln.backends.reference import ReferenceExecutable
-        from kiln.build import build_program
+        from kiln.backends.registry import get_backend
+        from kiln.backends.targets import Target
 
-        program = build_program(self.model, dataclasses.replace(self.options, rank=rank)).program
-        return ReferenceExecutable(program.graph, program.weights)
+        weights = load_file(self.weights[rank])
+        return get_backend(self.backend).load(Path(self.folders[rank]), weights, Target.parse(self.target))
 
 
 def _pack(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +77,38 @@ def _payload_size(header: torch.Tensor) -> int:
     return 3 * tokens + seqs * width + 2 * seqs + 1 + logits
 
 
-def _share_cores(world: int) -> None:
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) where torchrun started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _share_cores(ranks_here: int) -> None:
     """Each rank gets its share of this machine's cores for torch's threads (more would oversubscribe
     them: a rank that waits in a collective for one that has no core is time lost by all)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
 
 
-def _worker(rank: int, world: int, port: int, make: Callable[[int], Executable]) -> None:
-    _share_cores(world)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
-    )
+def _ranks_here(world: int) -> int:
+    """The ranks on this machine: all of them, or torchrun's count for this node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun_rank() else world
+
+
+def run_worker(make: Callable[[int], Executable]) -> None:
+    """Rank 1.. of a torchrun launch: step with rank 0 until it stops."""
+    launch = torchrun_rank()
+    if launch is None or launch[0] == 0:
+        raise BackendError("run_worker is for ranks 1.. started by torchrun")
+    try:
+        _worker(launch[0], launch[1], "env://", make)
+    except RuntimeError as error:  # rank 0 went away without stopping the ranks
+        raise BackendError(f"tensor-parallel rank {launch[0]} lost rank 0 ({error}); stopping") from None
+
+
+def _worker(rank: int, world: int, init_method: str, make: Callable[[int], Executable]) -> None:
+    _share_cores(_ranks_here(world))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         executable = make(rank)
         cache: torch.Tensor | None = None
@@ -108,33 +136,43 @@ def _free_port() -> int:
 
 
 class TensorParallelExecutable:
-    """Rank 0 of `world`, started with its worker processes; an Executable for the engine."""
+    """Rank 0 of `world`, started with its worker processes (or joined by torchrun's); an Executable
+    for the engine."""
 
     def __init__(self, make: Callable[[int], Executable], world: int) -> None:
         if world < 2:
             raise ValueError(f"tensor parallelism needs at least 2 ranks, got {world}")
         if dist.is_initialized():
             raise BackendError("this process already belongs to a process group; one model a process")
+        launch = torchrun_rank()
+        if launch is not None and launch != (0, world):
+            raise BackendError(
+                f"torchrun started this process as rank {launch[0]} of {launch[1]}; the model has {world} "
+                "ranks and runs its engine on rank 0",
+                hint=f"launch torchrun with {world} processes in all; ranks 1.. run `kiln serve` too",
+            )
         self.world = world
         self._threads = torch.get_num_threads()  # this process's own, given back by close()
-        _share_cores(world)
+        _share_cores(_ranks_here(world))
         try:
             self.executable = make(0)  # first: a model that does not split fails before a worker starts
         except BaseException:
             torch.set_num_threads(self._threads)
             raise
         self.kv_cache_spec = self.executable.kv_cache_spec
-        port = _free_port()
-        context = multiprocessing.get_context("spawn")
-        self.workers = [
-            context.Process(target=_worker, args=(rank, world, port, make), daemon=True)
-            for rank in range(1, world)
-        ]
-        for worker in self.workers:
-            worker.start()
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, timeout=TIMEOUT
-        )
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        init_method = "env://"
+        if launch is None:
+            port = _free_port()
+            init_method = f"tcp://127.0.0.1:{port}"
+            context = multiprocessing.get_context("spawn")
+            self.workers = [
+                context.Process(target=_worker, args=(rank, world, init_method, make), daemon=True)
+                for rank in range(1, world)
+            ]
+            for worker in self.workers:
+                worker.start()
+        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world, timeout=TIMEOUT)
         self._cache: torch.Tensor | None = None
         self._closed = False
 
@@ -171,11 +209,16 @@ class TensorParallelExecutable:
         if self._closed:
             return
         self._closed = True
-        if all(worker.is_alive() for worker in self.workers):
-            dist.broadcast(torch.zeros(HEADER, dtype=torch.int64), 0)  # STOP
+        intact = all(worker.is_alive() for worker in self.workers)
+        if intact:
+            try:
+                dist.broadcast(torch.zeros(HEADER, dtype=torch.int64), 0)  # STOP
+            except RuntimeError:  # a torchrun rank that is gone already
+                pass
         for worker in self.workers:
-            worker.join(30)
+            worker.join(30 if intact else 0)  # beside a dead rank the others wait on it in a collective
             if worker.is_alive():
                 worker.kill()
+                worker.join()
         dist.destroy_process_group()
         torch.set_num_threads(self._threads)

@@ -6,6 +6,7 @@ blocks of 16, prompts crossing block boundaries."""
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 import socket
 from collections.abc import Callable
@@ -218,7 +219,8 @@ def run_ranks_of(world: int, work: Callable[[int], Any], timeout: float = 120) -
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            results.put((rank, work(rank)))
+            # by value: a queue would share tensors through file descriptors that die with this process
+            results.put((rank, pickle.dumps(work(rank))))
         finally:
             dist.destroy_process_group()
 
@@ -229,7 +231,7 @@ def run_ranks_of(world: int, work: Callable[[int], Any], timeout: float = 120) -
     try:
         for _ in range(world):
             rank, result = results.get(timeout=timeout)
-            collected[rank] = result
+            collected[rank] = pickle.loads(result)
     except queue.Empty:
         pytest.fail(f"ranks {sorted(set(range(world)) - set(collected))} gave no result in {timeout} s")
     finally:

@@ -1,16 +1,20 @@
 """Tensor-parallel execution (runtime/tensor_parallel.py): rank 0 in the engine's process, the other
-ranks spawned, each step's inputs broadcast over gloo. SmolLM2 (9 heads, 3 KV heads) at TP 3 makes
-the greedy tokens of one process. (A worker that dies: tests/server/test_tensor_parallel.py.)"""
+ranks spawned, each step's inputs broadcast over gloo. SmolLM2 (9 heads, 3 KV heads) compiled at TP 3
+makes the greedy tokens of one process. (A worker that dies: tests/server/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kiln.backends.targets import Target
 from kiln.build import PipelineOptions, build_reference
+from kiln.compiler import CompileOptions, compile_model
+from kiln.runtime.artifact import load_artifact
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.tensor_parallel import ReferenceRanks, TensorParallelExecutable
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
@@ -24,11 +28,12 @@ def _greedy(executable, tokenizer, max_tokens: int = 16) -> dict[str, list[int]]
 
 
 @pytest.mark.slow
-def test_smollm2_at_tp3_makes_the_tokens_of_one_process(smollm2_gguf_path) -> None:
+def test_smollm2_at_tp3_makes_the_tokens_of_one_process(smollm2_gguf_path, tmp_path: Path) -> None:
     whole = build_reference(str(smollm2_gguf_path), PipelineOptions(quantization=None))
     expected = _greedy(whole.executable, whole.tokenizer)
-    options = PipelineOptions(quantization=None, tensor_parallel_size=3)
-    ranks = TensorParallelExecutable(ReferenceRanks(str(smollm2_gguf_path), options), 3)
+    options = CompileOptions(backend="reference", quantization=None, tensor_parallel_size=3)
+    compile_model(str(smollm2_gguf_path), [Target("cpu")], options, tmp_path / "tp3")
+    ranks = load_artifact(tmp_path / "tp3").executable
     try:
         assert ranks.kv_cache_spec.num_kv_heads == 1
         assert _greedy(ranks, whole.tokenizer) == expected

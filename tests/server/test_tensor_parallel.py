@@ -1,12 +1,18 @@
 """`kiln serve --tensor-parallel-size 3` on SmolLM2 (reference backend, float32): the OpenAI routes answer
 with the tokens of one process; a worker killed mid-stream ends the stream with an error event, turns
-/health into 503, and SIGTERM still stops the server cleanly."""
+/health into 503, and SIGTERM still stops the server cleanly. The same model compiled at TP 3 and
+served by three torchrun "nodes" (each its own agent, joined over 127.0.0.1) answers the same, and
+stopping node 0 stops the others cleanly."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -64,3 +70,62 @@ def test_tp3_server_answers_as_one_process_and_survives_a_dead_worker(
     assert "tensor-parallel rank" in error["message"] and "exited (code -9)" in error["message"], error
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
     assert server.stop() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, nodes: list[subprocess.Popen[bytes]], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(node.poll() is not None for node in nodes):
+            raise AssertionError(f"a torchrun node exited: {[node.returncode for node in nodes]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not healthy after {timeout} s")
+
+
+def test_tp3_artifact_served_by_three_torchrun_nodes(smollm2_gguf_path, tmp_path: Path) -> None:
+    artifact = tmp_path / "tp3"
+    compile_args = ["compile", str(smollm2_gguf_path), *TP_ARGS, "--tensor-parallel-size", "3"]
+    subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *compile_args, "-o", str(artifact), "--quiet"], check=True
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    master_port, port = _free_port(), _free_port()
+    logs = [(tmp_path / f"node{n}.log").open("wb") for n in range(3)]
+    serve = ["-m", "kiln.cli", "serve", str(artifact), "--port", str(port), "--served-model-name", "smollm2"]
+    launch = [str(torchrun), "--nnodes", "3", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--master-port", str(master_port), "--node-rank", str(node), *serve],
+            stdout=logs[node],
+            stderr=subprocess.STDOUT,
+        )
+        for node in range(3)
+    ]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, nodes)
+        prompt = "The capital of France is"
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        completion = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        one = kiln.LLM(str(smollm2_gguf_path), backend="reference", quantization="none", show_progress=False)
+        alone = one.generate(prompt, kiln.SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        assert completion["choices"][0]["text"] == alone
+
+        nodes[0].send_signal(signal.SIGTERM)  # torchrun stops its rank 0; rank 0 stops the others
+        assert [node.wait(90) for node in nodes[1:]] == [0, 0]
+        nodes[0].wait(60)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()

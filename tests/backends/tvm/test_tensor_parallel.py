@@ -1,48 +1,53 @@
-"""Tensor parallelism through TVM-CPU: each rank's sharded program compiles with its collectives as
-calls into the runtime's packed functions (`kiln.all_reduce`, `kiln.all_gather`, over gloo), and the
-ranks together give the whole model's logits within 1e-4 on the ragged batch."""
+"""Tensor parallelism through TVM-CPU: `compile_model(..., tensor_parallel_size=N)` writes one artifact
+with each rank's code (its collectives are calls into the runtime's packed functions `kiln.all_reduce`
+and `kiln.all_gather`, over gloo) and sharded weights; loading it starts rank 0 in this process and
+the others spawned (runtime/tensor_parallel.py), and the ranks give the whole model's logits within
+1e-4 on the ragged batch. Loading it at another world size is refused, naming both."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from kiln.backends.base import CompileSettings
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
-from kiln.backends.tvm.backend import TVMBackend
+from kiln.compiler import CompileOptions, compile_model
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
-from kiln.ir import Program
-from kiln.passes import PassManager, PassOptions, pipeline
-from kiln.passes.shard import shard
+from kiln.runtime.artifact import ArtifactError, close_executable, load_artifact
 
 TOLERANCE = 1e-4
+HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_tvm_ranks_together_give_the_whole_models_logits(
-    tiny_hf, ragged_run, run_ranks, tmp_path: Path, world: int
+def test_a_tensor_parallel_tvm_artifact_gives_the_whole_models_logits(
+    tiny_hf, ragged_run, tmp_path: Path, world: int
 ) -> None:
-    tiny_hf("qwen2", tmp_path / "hf", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8})
+    tiny_hf("qwen2", tmp_path / "hf", HEADS)
     source = load_model(str(tmp_path / "hf"))
     captured = capture_weights(source.config, source.float_weights())
-    program = Program(captured.graph, captured.weights)
-    whole = ragged_run([ReferenceExecutable(program.graph, program.weights)], 9)[0]
-    parts = []
-    for rank in range(world):  # compiled here, loaded and run in each rank's process
-        part = PassManager(pipeline(2, PassOptions())).run(shard(program, world, rank))[0]
-        TVMBackend().compile(part, Target("cpu"), tmp_path / f"rank{rank}", CompileSettings())
-        parts.append(part)
+    whole = ragged_run([ReferenceExecutable(captured.graph, captured.weights)], 9)[0]
+    options = CompileOptions(backend="tvm", quantization=None, tensor_parallel_size=world)
+    compile_model(str(tmp_path / "hf"), [Target("cpu")], options, tmp_path / "art")
 
-    def work(rank: int) -> list[torch.Tensor]:
-        executable = TVMBackend().load(tmp_path / f"rank{rank}", parts[rank].weights, Target("cpu"))
-        first, second, _ = ragged_run([executable], 9)[0]
-        return [first.clone(), second.clone()]
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["compile"]["tensor_parallel_size"] == world
+    ranks = manifest["targets"]["cpu"]["ranks"]
+    assert [rank["folder"] for rank in ranks] == [f"cpu/rank{r}" for r in range(world)]
+    assert len({rank["weights"] for rank in ranks}) == world  # each rank its own shard
 
-    for rank, logits in enumerate(run_ranks(world, work)):
-        for step, (ours, reference) in enumerate(zip(logits, whole[:2], strict=True)):
-            error = float((ours - reference).abs().max() / reference.abs().max())
-            assert error < TOLERANCE, (world, rank, step, error)
+    artifact = load_artifact(tmp_path / "art")
+    try:
+        assert artifact.executable.world == world  # type: ignore[attr-defined]
+        ours = ragged_run([artifact.executable], 9)[0]
+    finally:
+        close_executable(artifact.executable)
+    for step in range(2):
+        error = float((ours[step] - whole[step]).abs().max() / whole[step].abs().max())
+        assert error < TOLERANCE, (world, step, error)
+
+    with pytest.raises(ArtifactError, match=f"compiled for tensor-parallel size {world}, asked to run at 3"):
+        load_artifact(tmp_path / "art", tensor_parallel_size=3)
