@@ -20,8 +20,7 @@ from kiln.frontend.load import load_model
 from kiln.frontend.source import ModelSource, QuantizedTensor
 from kiln.ir import Program, print_graph
 from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
-from kiln.passes.base import PassError
-from kiln.passes.shard import shard
+from kiln.passes.shard import shard_with_blocks
 from kiln.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[str, float], None]  # (stage that just ended, seconds it took)
@@ -87,8 +86,7 @@ def resolve_quantization(requested: str | None, source: ModelSource | None) -> s
 def pass_options(options: PipelineOptions, source: ModelSource | None = None) -> PassOptions:
     """Pass options; the gguf quantization imports `source`'s GGUF blocks, the LM head's too (llama.cpp
     multiplies by them as well)."""
-    gguf_source = source if options.tensor_parallel_size == 1 else None  # unsharded blocks: auto is none
-    quantization = resolve_quantization(options.quantization, gguf_source)
+    quantization = resolve_quantization(options.quantization, source)
     gguf = quantization == "gguf"
     return PassOptions(
         quantization=quantization,
@@ -113,18 +111,17 @@ def optimize(
     if options.context_len is not None and options.context_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=options.context_len)
     captured = capture_weights(config, weights)
-    captured_program = shard(
-        Program(captured.graph, captured.weights), options.tensor_parallel_size, options.rank
+    options_for_passes = pass_options(options, source)
+    captured_program, blocks = shard_with_blocks(
+        Program(captured.graph, captured.weights),
+        options.tensor_parallel_size,
+        options.rank,
+        options_for_passes.gguf_blocks,
     )
+    options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=blocks)
     captured_at = time.perf_counter()
     if progress is not None:
         progress("capture", captured_at - start)
-    options_for_passes = pass_options(options, source)
-    if options.tensor_parallel_size > 1 and options_for_passes.quantization == "gguf":
-        raise PassError(
-            "GGUF blocks are not sharded for tensor parallelism yet",
-            hint="use --quantization int8 or int4 (each rank quantizes its slices) or none",
-        )
     passes = pipeline(options.opt_level, options_for_passes)
     program, report = PassManager(passes).run(captured_program, options_for_passes)
     if progress is not None:

@@ -144,7 +144,8 @@ def _add_tensor_parallel_option(parser: argparse.ArgumentParser, compiling: bool
         type=int,
         default=1 if compiling else None,
         help=f"split the model over this many ranks, processes joined by gloo on this machine's CPU (default "
-        f"{default}); backends tvm and reference, quantization none, int8 or int4 (docs/passes.md)",
+        f"{default}); backends tvm and reference; GGUF blocks where they split on block boundaries "
+        "(docs/passes.md)",
     )
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
+import numpy as np
 import torch
 
 from kiln.ir import KV_CACHE_INPUT, Program
@@ -68,18 +70,48 @@ class _Plan:
     kv_heads: int  # this rank's KV heads
 
 
+GGUFBlocks = dict[str, tuple[str, np.ndarray]]  # weight name → (GGUF type, one row of blocks a row)
+
+
 def shard(program: Program, tp: int, rank: int) -> Program:
     """Rank `rank`'s program of `tp`; tp 1 returns the program as it is."""
+    return shard_with_blocks(program, tp, rank, {})[0]
+
+
+def shard_with_blocks(program: Program, tp: int, rank: int, blocks: GGUFBlocks) -> tuple[Program, GGUFBlocks]:
+    """`shard`, and the GGUF blocks of the weights (`PassOptions.gguf_blocks`) cut as the weights are:
+    whole rows of blocks for a column-parallel slice, whole blocks of each row for a row-parallel one
+    (refused, naming the numbers, where the rank's columns do not start and end on a block)."""
     if tp < 1 or not 0 <= rank < tp:
         raise PassError(f"rank {rank} of tensor-parallel size {tp} does not exist")
     if tp == 1:
-        return program
+        return program, blocks
     graph = program.graph
     plan = _plan(graph, program.weights, tp, rank)
     sharded, weights = _rebuild(graph, program.weights, plan, tp, rank)
     result = Program(sharded, weights)
     result.verify()
-    return result
+    cut = {name: _sliced_blocks(name, *held, plan.slices.get(name), tp) for name, held in blocks.items()}
+    return result, {name: held for name, held in cut.items() if name in weights}
+
+
+def _sliced_blocks(
+    name: str, ggml_type: str, blocks: np.ndarray, rows: Rows | None, tp: int
+) -> tuple[str, np.ndarray]:
+    if rows is None:
+        return ggml_type, blocks
+    if not rows.columns:
+        return ggml_type, np.ascontiguousarray(blocks[rows.start : rows.stop])
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
+    if rows.start % block_size or rows.stop % block_size:
+        raise PassError(
+            f"cannot shard {name} ({ggml_type}) at tensor-parallel size {tp}: each rank's "
+            f"{rows.stop - rows.start} input features are not whole {block_size}-element {ggml_type} blocks",
+            hint="use --quantization int8 or int4 (each rank quantizes its slice), or a size that splits "
+            "the blocks",
+        )
+    start, stop = rows.start // block_size * block_bytes, rows.stop // block_size * block_bytes
+    return ggml_type, np.ascontiguousarray(blocks[:, start:stop])
 
 
 def _producers(graph: Graph) -> dict[str, Node]:

@@ -84,10 +84,24 @@ def torchrun_rank() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+THREADS_VARIABLE = "TVM_NUM_THREADS"  # read by TVM's thread pool when it starts (in a rank: at load)
+
+
 def _share_cores(ranks_here: int) -> None:
-    """Each rank gets its share of this machine's cores for torch's threads (more would oversubscribe
-    them: a rank that waits in a collective for one that has no core is time lost by all)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    """Each rank gets its share of this machine's cores for torch's threads and TVM's (more would
+    oversubscribe them: a rank that waits in a collective for one that has no core is time lost by all).
+    A process whose TVM thread pool already runs keeps its size."""
+    share = max(1, (os.cpu_count() or 1) // ranks_here)
+    torch.set_num_threads(share)
+    os.environ[THREADS_VARIABLE] = str(share)
+
+
+def _restore_threads(threads: int, variable: str | None) -> None:
+    torch.set_num_threads(threads)
+    if variable is None:
+        os.environ.pop(THREADS_VARIABLE, None)
+    else:
+        os.environ[THREADS_VARIABLE] = variable
 
 
 def _ranks_here(world: int) -> int:
@@ -152,12 +166,12 @@ class TensorParallelExecutable:
                 hint=f"launch torchrun with {world} processes in all; ranks 1.. run `kiln serve` too",
             )
         self.world = world
-        self._threads = torch.get_num_threads()  # this process's own, given back by close()
+        self._threads = torch.get_num_threads(), os.environ.get(THREADS_VARIABLE)  # given back by close()
         _share_cores(_ranks_here(world))
         try:
             self.executable = make(0)  # first: a model that does not split fails before a worker starts
         except BaseException:
-            torch.set_num_threads(self._threads)
+            _restore_threads(*self._threads)
             raise
         self.kv_cache_spec = self.executable.kv_cache_spec
         self.workers: list[multiprocessing.process.BaseProcess] = []
@@ -221,4 +235,4 @@ class TensorParallelExecutable:
                 worker.kill()
                 worker.join()
         dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
+        _restore_threads(*self._threads)

@@ -76,6 +76,15 @@ def test_compiling_twice_gives_identical_files(
         (["--backend", "reference", "--target", "cuda:sm_90"], "reference backend runs on the CPU"),
         (["--target", "gpu:9000"], "unknown target 'gpu:9000'"),
         (["--backend", "tvm", "--target", "cpu:nosuchcpu"], "LLVM does not know the CPU 'nosuchcpu'"),
+        (
+            ["--backend", "onnxruntime", "--tensor-parallel-size", "2"],
+            "tensor parallelism runs on tvm and reference, not onnxruntime",
+        ),
+        (
+            ["--target", "cuda:sm_90", "--tensor-parallel-size", "2"],
+            "CPU ranks over gloo so far, not on cuda",
+        ),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1, got 0"),
     ],
 )
 def test_impossible_requests_exit_2_at_once(tmp_path: Path, args: list[str], message: str) -> None:

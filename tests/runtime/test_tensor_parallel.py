@@ -28,10 +28,13 @@ def _greedy(executable, tokenizer, max_tokens: int = 16) -> dict[str, list[int]]
 
 
 @pytest.mark.slow
-def test_smollm2_at_tp3_makes_the_tokens_of_one_process(smollm2_gguf_path, tmp_path: Path) -> None:
-    whole = build_reference(str(smollm2_gguf_path), PipelineOptions(quantization=None))
+@pytest.mark.parametrize("quantization", [None, "gguf"])  # float32, and each rank's cut of the Q4_1 blocks
+def test_smollm2_at_tp3_makes_the_tokens_of_one_process(
+    smollm2_gguf_path, tmp_path: Path, quantization: str | None
+) -> None:
+    whole = build_reference(str(smollm2_gguf_path), PipelineOptions(quantization=quantization))
     expected = _greedy(whole.executable, whole.tokenizer)
-    options = CompileOptions(backend="reference", quantization=None, tensor_parallel_size=3)
+    options = CompileOptions(backend="reference", quantization=quantization, tensor_parallel_size=3)
     compile_model(str(smollm2_gguf_path), [Target("cpu")], options, tmp_path / "tp3")
     ranks = load_artifact(tmp_path / "tp3").executable
     try:
