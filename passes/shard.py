@@ -30,6 +30,7 @@ from kiln.ir.graph import Graph, Node, Value, ValueKind
 from kiln.ir.types import TensorType
 from kiln.passes.base import PassError
 
+VOCAB_START = "shard.vocab_start"  # the rank's first vocabulary id: a weight, so the ranks share code
 HEADWISE = ("rope", "reshape", "rms_norm", "scale")  # ops between a projection and attention
 GATES = ("silu", "gelu_tanh")
 SPLITTABLE = {
@@ -305,7 +306,9 @@ def _rebuild(
         if node is plan.embedding:
             op = "shard_embedding"
             table = plan.slices[node.inputs[0].name]  # type: ignore[union-attr]
-            attrs["vocab_start"] = table.start
+            start = torch.tensor([table.start], dtype=torch.int64)
+            new_weights[VOCAB_START] = start
+            inputs.append(builder.param(VOCAB_START, TensorType.of(start)))
         out = builder.op(op, inputs, attrs, source=node.source)
         if node in plan.row or node is plan.embedding:
             out = [builder.op1("all_reduce", out, attrs={"world": tp}, source=node.source)]

@@ -552,7 +552,8 @@ def _shard_embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
     """take of the ids inside [vocab_start, vocab_start + rows), zero rows for the others."""
     table, ids = lw.value(node.inputs[0]), lw.value(node.inputs[1])
     rows = int(node.inputs[0].type.shape[0])  # type: ignore[union-attr]
-    local = lw.emit(relax.op.subtract(ids, relax.const(int(node.attrs["vocab_start"]), "int64")))
+    start = lw.value(node.inputs[2])
+    local = lw.emit(relax.op.subtract(ids, start))
     inside = lw.emit(
         relax.op.logical_and(
             relax.op.greater_equal(local, relax.const(0, "int64")),

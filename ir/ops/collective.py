@@ -66,10 +66,11 @@ def _infer_all_gather(inputs: Sequence[TensorType | None], attrs: dict[str, Any]
     return [TensorType(x.dtype, tuple(shape))]
 
 
-def shard_embedding(weight: torch.Tensor, ids: torch.Tensor, *, vocab_start: int) -> torch.Tensor:
+def shard_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_start: torch.Tensor) -> torch.Tensor:
     """Rows of this rank's slice of the table for ids in [vocab_start, vocab_start + rows); zeros for the
-    others (an all_reduce over the ranks then gives every id its row)."""
-    local = ids - vocab_start
+    others (an all_reduce over the ranks then gives every id its row). `vocab_start` is a one-element
+    tensor, so every rank's graph is the same."""
+    local = ids - vocab_start.to(ids.dtype)
     inside = (local >= 0) & (local < weight.shape[0])
     rows = F.embedding(torch.where(inside, local, torch.zeros_like(local)), weight)
     return rows * inside.unsqueeze(-1).to(rows.dtype)
@@ -77,9 +78,10 @@ def shard_embedding(weight: torch.Tensor, ids: torch.Tensor, *, vocab_start: int
 
 def _infer_shard_embedding(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     weight, ids = required(inputs[0], "weight"), required(inputs[1], "ids")
+    start = required(inputs[2], "vocab_start")
     require(weight.rank == 2, "shard_embedding weight must be 2-D")
     require(ids.dtype in ("i32", "i64"), f"ids must be integers, got {ids.dtype}")
-    require(int(attrs.get("vocab_start", -1)) >= 0, "shard_embedding needs vocab_start >= 0")
+    require(start.dtype == "i64" and start.shape == (1,), f"vocab_start must be i64[1], got {start}")
     return [TensorType(weight.dtype, (*ids.shape, weight.shape[1]))]
 
 
@@ -108,10 +110,11 @@ register(
 register(
     OpDef(
         "shard_embedding",
-        (2, 2),
-        {"vocab_start": "the first vocabulary id of this rank's rows"},
+        (3, 3),
+        {},
         _infer_shard_embedding,
         shard_embedding,
-        doc="rows of a vocabulary slice weight[V / tp, H] at ids, zeros outside it",
+        doc="rows of a vocabulary slice weight[V / tp, H] at ids, zeros outside it; vocab_start: i64[1], "
+        "the slice's first id",
     )
 )
