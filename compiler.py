@@ -150,7 +150,6 @@ def check_targets(backend_name: str, targets: list[Target]) -> None:
         reason = backend.unsupported(target)
         if reason is not None:
             raise BackendError(reason)
-    check_tensor_parallel(backend_name, targets, 1)
 
 
 TENSOR_PARALLEL_BACKENDS = ("tvm", "reference")
