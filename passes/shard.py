@@ -119,15 +119,6 @@ def _producers(graph: Graph) -> dict[str, Node]:
     return {out.name: node for node in graph.nodes for out in node.outputs}
 
 
-def _consumers(graph: Graph) -> dict[str, list[Node]]:
-    users: dict[str, list[Node]] = {}
-    for node in graph.nodes:
-        for value in node.inputs:
-            if value is not None:
-                users.setdefault(value.name, []).append(node)
-    return users
-
-
 def _projection_of(value: Value, producers: dict[str, Node], chain: list[Node]) -> Node:
     """The linear that `value` comes from through head-wise ops (collected in `chain`)."""
     node = producers.get(value.name)
@@ -147,7 +138,7 @@ def _plan(graph: Graph, weights: dict[str, torch.Tensor], tp: int, rank: int) ->
             hint="shard the captured program, before fusion and quantization; mixture-of-experts "
             "layers are not sharded yet",
         )
-    producers, consumers = _producers(graph), _consumers(graph)
+    producers, consumers = _producers(graph), graph.users()
     plan = _Plan({}, set(), set(), {}, None, None, 0)
     for node in graph.nodes:
         if node.op == "paged_attention":
