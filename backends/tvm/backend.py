@@ -138,6 +138,7 @@ class TVMBackend:
             kv_spec_from(description["kv_cache"]),
             description["device"],
             description.get("functions", ["step"]),
+            cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
         )
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:

@@ -9,8 +9,9 @@ CUDA_ERROR_NO_DEVICE) first on LD_LIBRARY_PATH, so the plugin loads and nvcc wri
 The parent process, which may already have imported TVM, is left untouched.
 
 The request names the IR graph (JSON; the build needs no weight values), the arch, whether to emit
-PTX next to the SASS and whether to let Relax capture CUDA graphs; this writes <out>/step.so and a
-result JSON (parameters, kernel origins, CUDA graph regions, timings).
+PTX next to the SASS; this writes <out>/step.so and a result JSON (parameters, kernel origins,
+timings). Relax's RewriteCUDAGraph is not run: CUDA graphs are captured by the runtime, per decode
+bucket (cuda_graphs.py), and Relax's captures would nest inside those.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from kiln.backends.base import BackendError
 from kiln.backends.tvm.lowering import lower_graph
 from kiln.ir import graph_from_json
 
-CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 LINEAR_COLUMNS = 32
 LINEAR_SPLIT_K = 8
 
@@ -116,26 +116,6 @@ def _register_nvcc(arch: str, ptx: bool, calls: list[dict[str, Any]]) -> None:
         return binary
 
 
-def _capture_regions(module: tvm.IRModule) -> list[dict[str, Any]]:
-    """The functions RewriteCUDAGraph lifted out: what each captured region launches."""
-    regions = []
-    for global_var, func in module.functions.items():
-        name = global_var.name_hint
-        if not name.startswith("cuda_graph_capture"):
-            continue
-        calls: list[str] = []
-
-        def visit(expr: Any, calls: list[str] = calls) -> None:
-            if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir")):
-                calls.append(expr.args[0].name_hint)
-            elif isinstance(expr, relax.Call) and isinstance(expr.op, relax.GlobalVar):
-                calls.append(expr.op.name_hint)
-
-        relax.analysis.post_order_visit(func.body, visit) if isinstance(func, relax.Function) else None
-        regions.append({"function": name, "launches": calls})
-    return sorted(regions, key=lambda r: r["function"])
-
-
 def _launched_kernels(module: tvm.IRModule) -> set[str]:
     """Names of the PrimFuncs the Relax functions call (reshapes that became views are not among them)."""
     prim = {gv.name_hint for gv, func in module.functions.items() if isinstance(func, tirx.PrimFunc)}
@@ -166,9 +146,8 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     _register_nvcc(arch, bool(request["ptx"]), nvcc_calls)
     graph = graph_from_json(json.loads(Path(request["graph"]).read_text()))
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
-    use_graphs = bool(request["cuda_graph"])
     start = time.perf_counter()
-    with target, tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: use_graphs}):
+    with target:
         lowered = lower_graph(graph, "cuda", schedule_gpu)
         times["lower_and_schedule_kernels"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -185,10 +164,8 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
                 relax.transform.RemovePurityChecking(),
                 relax.transform.CallTIRRewrite(),
                 relax.transform.StaticPlanBlockMemory(),
-                relax.transform.RewriteCUDAGraph(),
             ]
         )(lowered.module)
-        regions = _capture_regions(module) if use_graphs else []
         module = tvm.transform.Sequential(
             [
                 relax.transform.LowerAllocTensor(),
@@ -218,7 +195,6 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "params": [spec.to_dict() for spec in lowered.params],
         "kernels": {**fused, **lowered.kernel_origins},
-        "cuda_graph_regions": regions,
         "nvcc_flags": nvcc_calls[-1]["flags"],
         "seconds": times,
     }

@@ -1,23 +1,29 @@
 """Decode steps on a GPU replayed as CUDA graphs, one per decode bucket.
 
-A decode step (every sequence computes one token and wants its logits) is padded to a bucket of
-sequences (1, 4, 16, 64) and its block tables to a power-of-two width: empty sequences own no query
-rows, so their rows are zeros and their logits are dropped. The first step of a bucket runs once to
-warm the VM's memory pool, then is captured into a `torch.cuda.CUDAGraph` through
-`tvm_ffi.use_torch_stream`; later steps of that bucket copy their inputs into the captured buffers
-and replay it. The KV cache must stay the same tensor (it is part of the key). Any capture failure
-turns graphs off for the executable, with a warning, and steps run as plain calls.
+A decode step (every sequence computes one token and wants its logits, in order) is padded to a
+bucket of sequences (1, 4, 16, 64) and its block tables to a power-of-two width: empty sequences own
+no query rows, so their rows are zeros and their logits are dropped. The first step of a bucket runs
+once to warm the VM's memory pool, then is captured into a `torch.cuda.CUDAGraph` through
+`tvm_ffi.use_torch_stream`; later steps of that bucket copy their inputs into the captured buffers,
+replay it and copy the logits out (the next replay overwrites the captured output). A capture is
+keyed by everything it baked in: the bucket, the table width and the KV cache (address, shape, dtype,
+device), and it holds the cache so that address cannot be reused by another tensor. This is the only
+capture mechanism: the build does not run Relax's RewriteCUDAGraph, whose captures would nest inside
+this one. Any capture failure turns graphs off for the executable, with a warning, and steps run as
+plain calls.
 
-Written without a GPU: `pad_decode` is tested on the CPU (padded and unpadded steps give the same
-logits); capture and replay have never run. KILN_CUDA_GRAPHS=0 turns them off.
+Written without a GPU: keys, padding and the copy-out are tested on the CPU with a stand-in for the
+graph that re-runs the step into the same output buffer (tests/backends/tvm/test_cuda_graphs.py);
+capture and replay on a GPU have never run. KILN_CUDA_GRAPHS=0 turns them off.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,12 +37,14 @@ def cuda_graphs_enabled() -> bool:
 
 
 def decode_bucket(inputs: StepInputs) -> int | None:
-    """The bucket of a decode step (one token and one logits row per sequence), None otherwise."""
+    """The bucket of a decode step (one token and one logits row per sequence, in order), None otherwise."""
     sequences = inputs.seq_lens.shape[0]
     if inputs.token_ids.shape[0] != sequences or inputs.logits_indices.shape[0] != sequences:
         return None
-    ones = torch.arange(sequences + 1, dtype=torch.int64)
-    if not torch.equal(inputs.query_start_loc.cpu(), ones):
+    in_order = torch.arange(sequences + 1, dtype=torch.int64)
+    if not torch.equal(inputs.query_start_loc.cpu(), in_order):
+        return None
+    if not torch.equal(inputs.logits_indices.cpu(), in_order[:-1]):  # pad_decode asks for row i's
         return None
     return next((bucket for bucket in DECODE_BUCKETS if bucket >= sequences), None)
 
@@ -73,27 +81,66 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
     )
 
 
+@dataclass(frozen=True)
+class GraphKey:
+    """What a captured decode graph baked in: replaying it for anything else would be wrong."""
+
+    bucket: int
+    width: int
+    cache_address: int
+    cache_shape: tuple[int, ...]
+    cache_dtype: torch.dtype
+    cache_device: str
+
+
+def graph_key(bucket: int, width: int, kv_cache: torch.Tensor) -> GraphKey:
+    return GraphKey(
+        bucket, width, kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, str(kv_cache.device)
+    )
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
 @dataclass
-class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph
+class Captured:
+    graph: Replayable  # torch.cuda.CUDAGraph on a GPU
     tensors: list[torch.Tensor]  # the captured input buffers, refilled before each replay
-    logits: torch.Tensor  # the captured output buffer
+    logits: torch.Tensor  # the captured output buffer, overwritten by each replay
+    kv_cache: torch.Tensor  # held so that its address, part of the key, is not reused
+
+
+Capture = Callable[[Any, list[torch.Tensor], torch.Tensor], Captured]
+
+
+def capture_cuda_graph(executable: Any, host: list[torch.Tensor], kv_cache: torch.Tensor) -> Captured:
+    tensors = [t.to(kv_cache.device) for t in host]
+    executable.call(tensors, kv_cache)  # warm-up: the VM's pool holds every buffer the step needs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with executable.ffi.use_torch_stream(torch.cuda.graph(graph)):
+        logits = torch.from_dlpack(executable.call(tensors, kv_cache))
+    torch.cuda.synchronize()
+    return Captured(graph, tensors, logits, kv_cache)
 
 
 class DecodeGraphs:
-    def __init__(self) -> None:
-        self.captured: dict[tuple[int, int, int], _Captured] = {}
+    def __init__(self, capture: Capture = capture_cuda_graph) -> None:
+        self.captured: dict[GraphKey, Captured] = {}
         self.enabled = True
+        self._capture = capture
 
     def run(self, executable: Any, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        """Logits of a decode step by graph replay; None when the step is not a decode bucket."""
+        """Logits of a decode step by graph replay (a tensor of their own); None when the step is
+        not a decode bucket or graphs are off."""
         bucket = decode_bucket(inputs)
         if not self.enabled or bucket is None:
             return None
         width = table_width(inputs.block_tables.shape[1])
         padded = pad_decode(inputs, bucket, width)
         host = executable.step_tensors(padded)
-        key = (bucket, width, kv_cache.data_ptr())
+        key = graph_key(bucket, width, kv_cache)
         entry = self.captured.get(key)
         if entry is None:
             try:
@@ -106,15 +153,4 @@ class DecodeGraphs:
         for buffer, tensor in zip(entry.tensors, host, strict=True):
             buffer.copy_(tensor, non_blocking=True)
         entry.graph.replay()
-        return entry.logits[: inputs.seq_lens.shape[0]]
-
-    @staticmethod
-    def _capture(executable: Any, host: list[torch.Tensor], kv_cache: torch.Tensor) -> _Captured:
-        tensors = [t.to(kv_cache.device) for t in host]
-        executable.call(tensors, kv_cache)  # warm-up: the VM's pool holds every buffer the step needs
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with executable.ffi.use_torch_stream(torch.cuda.graph(graph)):
-            logits = torch.from_dlpack(executable.call(tensors, kv_cache))
-        torch.cuda.synchronize()
-        return _Captured(graph, tensors, logits)
+        return entry.logits[: inputs.seq_lens.shape[0]].clone()

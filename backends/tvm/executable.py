@@ -98,6 +98,7 @@ class TVMExecutable:
         kv_cache_spec: KVCacheSpec,
         device: str = "cpu",
         functions: list[str] | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         ffi = load_runtime()
         if device == "cuda":
@@ -121,7 +122,7 @@ class TVMExecutable:
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]
         self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
-        self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs_enabled() else None
+        self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs and cuda_graphs_enabled() else None
 
     def _param(self, spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         source = weights.get(spec["source"])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.backends.gpu_requirements import ORT_CUDA, missing_for_gpu
 from kiln.backends.targets import host_gpu_arch
 from kiln.cli import main
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
@@ -63,8 +64,11 @@ def test_cli_refuses_a_cpu_mcpu_target(tmp_path: Path, capsys: pytest.CaptureFix
     assert "cpu:znver4" in capsys.readouterr().err
 
 
+ORT_CUDA_MISSING = missing_for_gpu(ORT_CUDA)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(host_gpu_arch() is None, reason="needs an NVIDIA GPU and onnxruntime-gpu (none here)")
+@pytest.mark.skipif(ORT_CUDA_MISSING is not None, reason=ORT_CUDA_MISSING or "")
 def test_cuda_execution_provider_runs_the_artifact(smollm2_gguf_path: Path, tmp_path: Path) -> None:
     target = f"cuda:{host_gpu_arch()}"
     out = tmp_path / "cuda"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import onnx
 import pytest
 
+from kiln.backends.gpu_requirements import TENSORRT, missing_for_gpu
 from kiln.backends.onnx import MODEL_FILE, check_model
 from kiln.backends.targets import Target, host_gpu_arch
 from kiln.backends.tensorrt.backend import TensorRTBackend
@@ -18,7 +20,11 @@ def test_refuses_cpu_targets_and_names_its_version() -> None:
     reason = backend.unsupported(Target("cpu"))
     assert reason is not None and "NVIDIA GPU" in reason
     assert backend.unsupported(Target("cuda", "sm_90")) is None
-    assert backend.version().startswith("tensorrt-")
+    try:
+        installed = importlib.metadata.version("tensorrt")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "unavailable"
+    assert backend.version() == f"tensorrt-{installed}"  # the one a manifest records
 
 
 @pytest.mark.skipif(host_gpu_arch() is not None, reason="this machine has a GPU: the engine would be built")
@@ -38,8 +44,11 @@ def test_compile_without_a_gpu_keeps_the_checked_onnx_and_exits_2(
     assert not (out / "manifest.json").exists()  # not a runnable artifact
 
 
+TENSORRT_MISSING = missing_for_gpu(TENSORRT)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(host_gpu_arch() is None, reason="needs an NVIDIA GPU and tensorrt (none on this machine)")
+@pytest.mark.skipif(TENSORRT_MISSING is not None, reason=TENSORRT_MISSING or "")
 def test_engine_builds_on_a_gpu(smollm2_gguf_path: Path, tmp_path: Path) -> None:
     arch = host_gpu_arch()
     out = tmp_path / "trt"

@@ -5,11 +5,13 @@ loading on a machine whose GPU differs is refused. Running the code needs a GPU 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from kiln.backends.base import BackendError, CompileSettings
+from kiln.backends.gpu_requirements import TORCH_CUDA, TVM_CUDA, missing_for_gpu
 from kiln.backends.targets import Target, host_gpu_arch
 from kiln.backends.tvm import cuda
 from kiln.ir import Program
@@ -102,8 +104,17 @@ def test_gpu_attention_kernels_lower_for_gqa_window_and_f16() -> None:
     )
     with target:
         built = tvm.tirx.build(module, target=target)
-    assert built is not None
-    assert attention_cuda.attention_threads(128) * 128 * 4 <= 32 * 1024
+    source = built.imports[0].inspect_source("cuda")
+    threads = {name: int(count) for count, name in re.findall(r"__launch_bounds__\((\d+)\) (\w+)\(", source)}
+    assert threads["attention_kernel"] == attention_cuda.attention_threads(128)
+    assert set(threads) == {"attention_kernel", "kv_write_kernel"}
+    for kernel in threads:  # float16 in and out: the cache, queries and outputs are half pointers
+        assert re.search(kernel + r"\(half\* __restrict__ cache_ptr", source), kernel
+    sizes = {"float": 4, "half": 2, "int": 4}
+    shared = sum(
+        sizes[dtype] * int(count) for dtype, count in re.findall(r"__shared__ \S+ (\w+) \w+\[(\d+)\]", source)
+    )
+    assert 0 < shared <= 48 * 1024  # the static shared memory every arch allows without opting in
 
 
 def test_a_gpu_of_another_arch_is_refused_naming_both(monkeypatch) -> None:
@@ -179,15 +190,13 @@ def test_loading_on_another_gpu_is_refused(smollm2_cuda: Path, monkeypatch) -> N
         load_artifact(smollm2_cuda)
 
 
-HOST_GPU = host_gpu_arch()
+CUDA_MISSING = missing_for_gpu(TORCH_CUDA, TVM_CUDA, archs=("sm_87", "sm_90"))
 
 
 @needs_nvcc
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    HOST_GPU not in ("sm_87", "sm_90"), reason=f"needs an sm_87 or sm_90 GPU (here: {HOST_GPU or 'none'})"
-)
+@pytest.mark.skipif(CUDA_MISSING is not None, reason=CUDA_MISSING or "")
 def test_smollm2_cuda_logits_match_the_reference(smollm2_cuda: Path, smollm2_o2) -> None:
     from kiln.runtime.artifact import load_artifact
     from kiln.runtime.step_builder import SequenceSlice, build_step_inputs

@@ -1,13 +1,26 @@
-"""The decode-bucket padding behind CUDA-graph replay, checked on the CPU: a decode step padded to a
-bucket of sequences and wider block tables gives the same logits and cache writes as the step itself.
-(Capture and replay need a GPU and have not run here.)"""
+"""CUDA-graph replay of decode steps, checked on the CPU: a decode step padded to a bucket of sequences
+and wider block tables gives the same logits and cache writes as the step itself; with a stand-in for
+the graph (replay re-runs the step into the captured output buffer), replayed steps match plain ones,
+each result is a copy the next replay leaves alone, and a capture is keyed by everything it baked in.
+(Capture and replay on a GPU need one and have not run here.)"""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS, decode_bucket, pad_decode, table_width
+from kiln.backends.tvm.cuda_graphs import (
+    DECODE_BUCKETS,
+    Captured,
+    DecodeGraphs,
+    GraphKey,
+    decode_bucket,
+    graph_key,
+    pad_decode,
+    table_width,
+)
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 4
@@ -46,3 +59,74 @@ def test_padded_decode_step_gives_the_same_logits(tiny_tvm) -> None:
     replayed = tiny_tvm.step(padded, padded_cache)[: len(prompts)]
     assert torch.equal(plain, replayed)
     assert torch.equal(plain_cache, padded_cache)
+
+
+class _Rerun:
+    """A CUDA graph's stand-in on the CPU: replay runs the captured step again into the same output
+    buffer, as a graph's replay rewrites its static output."""
+
+    def __init__(self, executable, tensors: list[torch.Tensor], kv_cache: torch.Tensor, logits: torch.Tensor):
+        self.executable, self.tensors, self.kv_cache, self.logits = executable, tensors, kv_cache, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(torch.from_dlpack(self.executable.call(self.tensors, self.kv_cache)))
+
+
+def _rerun_capture(captures: list[GraphKey]):
+    def capture(executable, host: list[torch.Tensor], kv_cache: torch.Tensor) -> Captured:
+        tensors = [t.clone() for t in host]
+        logits = torch.from_dlpack(executable.call(tensors, kv_cache)).clone()
+        captures.append(graph_key(tensors[3].shape[0], tensors[3].shape[1], kv_cache))
+        return Captured(_Rerun(executable, tensors, kv_cache, logits), tensors, logits, kv_cache)
+
+    return capture
+
+
+def _decode(prompts: list[list[int]], tables: list[list[int]], step: int):
+    return build_step_inputs(
+        [
+            SequenceSlice([20 + i + step], len(p) + step, t)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+        ],
+        BLOCK_SIZE,
+    )
+
+
+def test_replayed_decode_steps_match_plain_steps_and_are_copied_out(tiny_tvm) -> None:
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    tables = [[1, 2, 7], [3, 8], [4, 5, 6]]
+    cache = tiny_tvm.kv_cache_spec.allocate(9, BLOCK_SIZE)
+    tiny_tvm.step(
+        build_step_inputs([SequenceSlice(p, 0, t) for p, t in zip(prompts, tables, strict=True)], BLOCK_SIZE),
+        cache,
+    )
+    plain_cache = cache.clone()
+    captures: list[GraphKey] = []
+    graphs = DecodeGraphs(_rerun_capture(captures))
+    replayed = []
+    for step in range(3):
+        decode = _decode(prompts, tables, step)
+        expected = tiny_tvm.step(decode, plain_cache)
+        logits = graphs.run(tiny_tvm, decode, cache)
+        assert logits is not None and torch.equal(logits, expected), step
+        replayed.append((logits, logits.clone()))
+    assert all(torch.equal(held, kept) for held, kept in replayed)  # later replays left them alone
+    assert torch.equal(cache, plain_cache)
+    assert captures == [graph_key(4, 4, cache)]  # one capture: same bucket, width and cache
+
+
+def test_the_key_holds_the_cache_and_tells_its_shape() -> None:
+    cache = torch.zeros(2, 8, 4, 2, 16)
+    same_memory = cache.view(2, 8, 8, 16)
+    assert graph_key(4, 2, cache) != graph_key(4, 2, same_memory)
+    assert graph_key(4, 2, cache) != graph_key(4, 2, cache.to(torch.float16))
+    assert graph_key(4, 2, cache) != graph_key(16, 2, cache) != graph_key(4, 4, cache)
+    assert graph_key(4, 2, cache) == graph_key(4, 2, cache)
+    assert "kv_cache" in Captured.__dataclass_fields__  # a capture keeps its cache, so the address stays its
+
+
+def test_decode_steps_whose_logits_rows_are_not_in_order_are_not_replayed() -> None:
+    decode = build_step_inputs([SequenceSlice([5], 3, [1]), SequenceSlice([6], 7, [2, 3])], BLOCK_SIZE)
+    assert decode_bucket(decode) == 4
+    swapped = replace(decode, logits_indices=decode.logits_indices.flip(0))
+    assert decode_bucket(swapped) is None
