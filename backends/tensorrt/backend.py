@@ -24,8 +24,6 @@ from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read
 from kiln.backends.targets import Target, mismatch
 from kiln.ir import DTYPES, Program
 
-NUM_BLOCKS_OPT = 2048  # the cache size the engine's profile is tuned for
-
 
 def _tensorrt_version() -> str | None:
     try:
@@ -70,7 +68,7 @@ class TensorRTBackend:
             )
         from kiln.backends.tensorrt.engine import build_engine, with_initializers  # not exercised here
 
-        built = build_engine(with_initializers(lowered, program.weights), folder, settings, NUM_BLOCKS_OPT)
+        built = build_engine(with_initializers(lowered, program.weights), folder, settings)
         meta_path = folder / "onnx.json"
         meta = json.loads(meta_path.read_text())
         meta["engine"] = built

@@ -32,13 +32,19 @@ class TensorRTExecutable:
         self._kv_output = meta.get("kv_output")
         self._num_kv_layers = len(meta.get("kv_layers", []))
         self._vocab = int(self.engine.get_tensor_shape(self._logits)[-1])
+        self._profile = meta.get("engine", {}).get("profile", {})  # each symbolic dim's (min, opt, max)
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         device = kv_cache.device
         given = {name: t.to(device).contiguous() for name, t in inputs.as_dict().items()}
         given[KV_CACHE_INPUT] = kv_cache
         for name, tensor in given.items():
-            self.context.set_input_shape(name, tuple(tensor.shape))
+            if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                raise BackendError(
+                    f"TensorRT refused input {name} of shape {list(tensor.shape)}: outside the engine's "
+                    f"optimisation profile {self._profile}",
+                    hint="compile again with larger --max-model-len / --max-num-seqs, or use fewer KV blocks",
+                )
             self.context.set_tensor_address(name, tensor.data_ptr())
         num_tokens, num_rows = given["token_ids"].shape[0], given["logits_indices"].shape[0]
         logits = torch.empty((num_rows, self._vocab), dtype=torch.float32, device=device)
