@@ -81,13 +81,20 @@ class KVCacheSpec:
 
 
 class Executable(Protocol):
-    """A loaded model: `step` runs one ragged batch, writing K/V into `kv_cache` in place."""
+    """A loaded model: `step` runs one ragged batch, writing K/V into `kv_cache` in place. A GPU
+    executable also names where its cache must live (`kv_cache_device`, e.g. "cuda"; see
+    `kv_cache_device()`)."""
 
     kv_cache_spec: KVCacheSpec
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab], float32."""
+        """Logits [B, vocab], float32, on the host."""
         ...
+
+
+def kv_cache_device(executable: Executable) -> str:
+    """Where `executable` wants its KV cache allocated: its `kv_cache_device`, else the host."""
+    return str(getattr(executable, "kv_cache_device", "cpu"))
 
 
 class Backend(Protocol):

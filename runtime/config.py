@@ -6,23 +6,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kiln.backends.base import KVCacheSpec
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
 
-DEFAULT_KV_CACHE_FRACTION = 0.5  # the most of the memory available now that the KV cache may take
+DEFAULT_KV_CACHE_FRACTION = 0.5  # the most of the host memory available now that the KV cache may take
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.9  # ... of a GPU's free memory (weights loaded), as vLLM's 0.9
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer model context is used only when asked for (--max-model-len)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """The KV cache holds `max_num_seqs` sequences of `max_model_len` tokens, at most `kv_cache_fraction`
-    of the memory available now; `kv_cache_memory` (bytes) or `num_blocks` set it instead.
-    `max_model_len` None: the model's context, up to DEFAULT_MAX_MODEL_LEN."""
+    of the memory available now where the cache lives (None: half the host's, 90% of a GPU's free
+    memory); `kv_cache_memory` (bytes) or `num_blocks` set it instead. `max_model_len` None: the
+    model's context, up to DEFAULT_MAX_MODEL_LEN."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
-    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    kv_cache_fraction: float | None = None
     num_blocks: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -36,12 +40,21 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
             )
-        if not 0 < self.kv_cache_fraction <= 1:
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def device_free_memory(device: str) -> int:
+    """Bytes free now where a KV cache on `device` would live: the host's MemAvailable, or the GPU's
+    free memory (after the weights were loaded)."""
+    if torch.device(device).type == "cpu":
+        return available_memory_bytes()
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
 
 
 def available_memory_bytes() -> int:
@@ -70,10 +83,16 @@ class KVCachePlan:
         )
 
 
-def plan_kv_cache(config: EngineConfig, specs: Sequence[KVCacheSpec], max_model_len: int) -> KVCachePlan:
+def plan_kv_cache(
+    config: EngineConfig,
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    device: str = "cpu",
+    available: int | None = None,
+) -> KVCachePlan:
     """The KV cache's size: what `config` asks for, else enough for max_num_seqs full-length sequences,
-    capped at kv_cache_fraction of the memory available now. `specs`: the caches that share the block
-    tables (the model's, and a draft model's)."""
+    capped at kv_cache_fraction of the memory available now on `device` (`available` bytes where
+    given). `specs`: the caches that share the block tables (the model's, and a draft model's)."""
     per_block = sum(spec.bytes_per_block(config.block_size) for spec in specs)
 
     def made(num_blocks: int, why: str) -> KVCachePlan:
@@ -91,16 +110,22 @@ def plan_kv_cache(config: EngineConfig, specs: Sequence[KVCacheSpec], max_model_
         return made(int(blocks), "kv_cache_memory")
     seqs = config.scheduler.max_num_seqs
     needed = seqs * -(-max_model_len // config.block_size) + 1
-    available = available_memory_bytes()
-    cap = int(available * config.kv_cache_fraction) // per_block
+    on_gpu = torch.device(device).type != "cpu"
+    if available is None:
+        available = device_free_memory(device)
+    fraction = config.kv_cache_fraction or (
+        DEFAULT_GPU_KV_CACHE_FRACTION if on_gpu else DEFAULT_KV_CACHE_FRACTION
+    )
+    where = f"free on {device}" if on_gpu else "available"
+    cap = int(available * fraction) // per_block
     if cap < 2:
         raise ValueError(
-            f"{available:,} bytes of memory are available; the KV cache needs at least {2 * per_block:,}"
+            f"{available:,} bytes of memory are {where}; the KV cache needs at least {2 * per_block:,}"
         )
     if needed <= cap:
         return made(needed, f"{seqs} sequences of {max_model_len:,} tokens")
     return made(
         int(cap),
         f"{seqs} sequences of {max_model_len:,} tokens would need {needed * per_block / 2**20:,.0f} MiB; "
-        f"capped at {config.kv_cache_fraction:.0%} of the {available / 2**30:.1f} GiB available",
+        f"capped at {fraction:.0%} of the {available / 2**30:.1f} GiB {where}",
     )

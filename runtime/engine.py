@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import Executable
+from kiln.backends.base import Executable, kv_cache_device
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.draft_model import DraftModelProposer
@@ -74,9 +74,10 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
         specs = [executable.kv_cache_spec] + ([draft.kv_cache_spec] if draft is not None else [])
-        self.kv_cache_plan = plan_kv_cache(self.config, specs, self.max_model_len)
+        cache_device = kv_cache_device(executable)
+        self.kv_cache_plan = plan_kv_cache(self.config, specs, self.max_model_len, cache_device)
         self.num_blocks = self.kv_cache_plan.num_blocks
-        self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size)
+        self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size, cache_device)
         self.drafter = (
             DraftModelProposer(draft, self.num_blocks, self.block_size, tokenizer.vocab_size)
             if draft is not None

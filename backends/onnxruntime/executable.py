@@ -72,6 +72,8 @@ class OnnxRuntimeExecutable:
         except Exception as error:  # onnxruntime raises its own untyped exceptions
             raise BackendError(f"ONNX Runtime cannot load the model: {error}") from None
         self.kv_cache_spec = kv_cache_spec
+        on_gpu = any(name == "CUDAExecutionProvider" for name, _ in providers)
+        self.kv_cache_device = "cuda" if on_gpu else "cpu"  # where the cache is bound: no copies a step
         (self._logits_name,) = meta["outputs"]
         self._kv_output = meta.get("kv_output")
         self._num_kv_layers = len(meta.get("kv_layers", []))
@@ -116,7 +118,7 @@ class OnnxRuntimeExecutable:
         self.session.run_with_iobinding(binding)
         if new_kv is not None:
             self._write_cache(kv_cache, new_kv, given["slot_mapping"])
-        return logits.to(torch.float32)
+        return logits.to("cpu", torch.float32)
 
     @staticmethod
     def _write_cache(kv_cache: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:

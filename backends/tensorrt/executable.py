@@ -28,6 +28,7 @@ class TensorRTExecutable:
             raise BackendError(f"{engine_file}: TensorRT cannot deserialize the engine")
         self.context = self.engine.create_execution_context()
         self.kv_cache_spec = kv_cache_spec
+        self.kv_cache_device = "cuda"
         (self._logits,) = meta["outputs"]
         self._kv_output = meta.get("kv_output")
         self._num_kv_layers = len(meta.get("kv_layers", []))
@@ -36,6 +37,11 @@ class TensorRTExecutable:
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         device = kv_cache.device
+        if device.type != "cuda":
+            raise BackendError(
+                f"the KV cache is on {device}; a TensorRT engine reads it on the GPU",
+                hint="allocate it with kv_cache_spec.allocate(..., device=executable.kv_cache_device)",
+            )
         given = {name: t.to(device).contiguous() for name, t in inputs.as_dict().items()}
         given[KV_CACHE_INPUT] = kv_cache
         for name, tensor in given.items():
@@ -66,4 +72,4 @@ class TensorRTExecutable:
             slots = given["slot_mapping"]
             written = slots >= 0
             flat[:, :, slots[written]] = new_kv[:, :, written]
-        return logits.to(torch.float32)
+        return logits.to("cpu", torch.float32)

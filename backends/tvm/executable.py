@@ -105,9 +105,9 @@ class TVMExecutable:
             load_cuda_runtime()
         register_collectives(ffi)
         self.ffi = ffi
-        self._device_caches: dict[int, torch.Tensor] = {}
         self.kv_cache_spec = kv_cache_spec
         self.device = device
+        self.kv_cache_device = device
         try:
             module = ffi.load_module(str(library))
         except Exception as error:
@@ -173,28 +173,22 @@ class TVMExecutable:
             raise BackendError(
                 "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
             )
+        if kv_cache.device.type != self.device:
+            raise BackendError(
+                f"the KV cache is on {kv_cache.device.type}; this executable reads it on {self.device}",
+                hint="allocate it with kv_cache_spec.allocate(..., device=executable.kv_cache_device)",
+            )
         num_logits = inputs.logits_indices.shape[0]
-        on_host = kv_cache.device.type == "cpu"
         if self.device == "cuda":
-            kv_cache = self._device_cache(kv_cache) if on_host else kv_cache
             if self.graphs is not None:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:
-                    return replayed.to("cpu" if on_host else replayed.device, torch.float32)
+                    return replayed.to("cpu", torch.float32)
             tensors = [t.to(self.device, non_blocking=True) for t in self.step_tensors(inputs)]
         else:
             tensors = self.step_tensors(inputs)
         logits = torch.from_dlpack(self.call(tensors, kv_cache))[:num_logits]
-        return logits.to("cpu" if on_host else logits.device, torch.float32)
-
-    def _device_cache(self, host_cache: torch.Tensor) -> torch.Tensor:
-        """The runtime allocates the KV cache on the host; a CUDA step keeps its own device copy of each
-        such cache (zeros, like the host one, which is then left untouched). Callers that allocate the
-        cache on the GPU (`kv_cache_spec.allocate(..., device="cuda")`) skip this."""
-        key = host_cache.data_ptr()
-        if key not in self._device_caches:
-            self._device_caches[key] = torch.zeros_like(host_cache, device=self.device)
-        return self._device_caches[key]
+        return logits.to("cpu", torch.float32)
 
 
 def kv_spec_from(manifest: dict[str, Any]) -> KVCacheSpec:

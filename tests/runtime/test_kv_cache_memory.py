@@ -1,12 +1,13 @@
-"""The KV cache's size comes from what the limits need, capped by available memory; its host memory is
-committed only as blocks are written, and the block pool reuses freed blocks before fresh ones."""
+"""The KV cache's size comes from what the limits need, capped by the memory available where it lives
+(the host's, or a GPU's free memory); its host memory is committed only as blocks are written, and the
+block pool reuses freed blocks before fresh ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.backends.base import KVCacheSpec
+from kiln.backends.base import KVCacheSpec, kv_cache_device
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.config import EngineConfig, available_memory_bytes, plan_kv_cache
 from kiln.runtime.scheduler import SchedulerConfig
@@ -28,6 +29,34 @@ def test_the_default_is_capped_by_available_memory() -> None:
     plan = plan_kv_cache(config, [SPEC], max_model_len=131072)
     assert plan.bytes <= available_memory_bytes() * 0.01 * 1.01
     assert "capped at 1% of the" in plan.describe()
+
+
+def test_a_gpu_cache_is_sized_from_the_devices_free_memory() -> None:
+    """The figure `torch.cuda.mem_get_info` gives after the weights are loaded, here given as a number."""
+    free = 10 * 2**30
+    many = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1024))
+    capped = plan_kv_cache(many, [SPEC], 131072, device="cuda:0", available=free)
+    assert capped.num_blocks == int(free * 0.9) // PER_BLOCK
+    assert "capped at 90% of the 10.0 GiB free on cuda:0" in capped.describe()
+    few = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=2))
+    assert plan_kv_cache(few, [SPEC], 1000, device="cuda:0", available=free).num_blocks == 2 * 63 + 1
+    asked = EngineConfig(kv_cache_fraction=0.25, scheduler=SchedulerConfig(max_num_seqs=1024))
+    assert plan_kv_cache(asked, [SPEC], 131072, "cuda", free).num_blocks == int(free * 0.25) // PER_BLOCK
+    with pytest.raises(ValueError, match="bytes of memory are free on cuda"):
+        plan_kv_cache(many, [SPEC], 131072, device="cuda", available=PER_BLOCK)
+    host = plan_kv_cache(many, [SPEC], 131072, device="cpu", available=free)
+    assert host.num_blocks == int(free * 0.5) // PER_BLOCK  # half of the host's
+
+
+def test_the_cache_goes_where_the_executable_reads_it() -> None:
+    class OnTheGpu:
+        kv_cache_spec = SPEC
+        kv_cache_device = "cuda"
+
+    class OnTheHost:
+        kv_cache_spec = SPEC
+
+    assert kv_cache_device(OnTheGpu()) == "cuda" and kv_cache_device(OnTheHost()) == "cpu"
 
 
 def test_explicit_sizes_win() -> None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kiln.backends.base import BackendError
 from kiln.backends.tvm.cuda_graphs import (
     DECODE_BUCKETS,
     Captured,
@@ -130,3 +131,12 @@ def test_decode_steps_whose_logits_rows_are_not_in_order_are_not_replayed() -> N
     assert decode_bucket(decode) == 4
     swapped = replace(decode, logits_indices=decode.logits_indices.flip(0))
     assert decode_bucket(swapped) is None
+
+
+def test_a_cache_elsewhere_than_the_executable_reads_it_is_refused(tiny_tvm) -> None:
+    assert tiny_tvm.kv_cache_device == "cpu"
+    shape = tiny_tvm.kv_cache_spec.allocate(2, BLOCK_SIZE).shape
+    elsewhere = torch.zeros(shape, dtype=tiny_tvm.kv_cache_spec.dtype, device="meta")
+    decode = build_step_inputs([SequenceSlice([5], 0, [1])], BLOCK_SIZE)
+    with pytest.raises(BackendError, match="the KV cache is on meta; this executable reads it on cpu"):
+        tiny_tvm.step(decode, elsewhere)
