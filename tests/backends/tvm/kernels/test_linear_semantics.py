@@ -1,0 +1,76 @@
+"""The quantized linear a CUDA artifact runs (kernels/linear.py: weights dequantized inside the
+reduction; cuda_build.py only tiles it into split-K, which keeps its semantics), run on the CPU: the
+same TIR built for LLVM unscheduled, fed the weights in the layouts the lowering gives it, against the
+IR's quantized_linear on the same weights. Every layout the GPU path takes: 4-bit in both packings
+(int4's zero point, GGUF's min), 8-bit symmetric with int8 and GGUF K-quant value ranges, float32 and
+float16 scales, with and without bias. float32 throughout, so the tolerance is float32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from kiln.backends.tvm.kernels.linear import ROW_BLOCK, QuantSpec, column_tile, linear_kernel
+from kiln.backends.tvm.layouts import apply_layout, int4_tiled_transform, tiled_transform
+from kiln.ir.ops.quant import pack_int4, quantized_linear
+
+K, N = 256, 96  # 96: strips of 32 columns, not the 64 a wider matrix gets
+TOLERANCE = 1e-5  # relative to the largest |output|: float32 sums in another order
+
+CASES = [  # (bits, group, scheme, packing, value range, scale dtype)
+    (4, 128, "zero_point", "pairs", (0, 16), torch.float32),  # --quantization int4
+    (4, 32, "min", "gguf", (0, 16), torch.float16),  # GGUF Q4_1, Q4_K (scales d * sc)
+    (4, 32, "zero_point", "gguf", (0, 16), torch.float16),  # GGUF Q4_0 (zero 8)
+    (8, 256, "symmetric", "none", (-128, 128), torch.float32),  # --quantization int8
+    (8, 32, "symmetric", "none", (-128, 128), torch.float16),  # GGUF Q8_0
+    (8, 32, "symmetric", "none", (-16, 16), torch.float16),  # GGUF Q5_0
+    (8, 16, "symmetric", "none", (-32, 32), torch.float32),  # GGUF Q6_K
+    (8, 32, "min", "none", (0, 32), torch.float32),  # GGUF Q5_K, Q5_1
+]
+
+
+def _id(case: tuple) -> str:
+    bits, group, scheme, packing, (low, high), dtype = case
+    return f"{bits}bit-g{group}-{scheme}-{packing}-{low}..{high - 1}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_the_gpu_linears_tir_computes_quantized_linear(case: tuple, has_bias: bool) -> None:
+    bits, group, scheme, packing, (low, high), scale_dtype = case
+    generator = torch.Generator().manual_seed(bits * 1000 + group + low)
+    values = torch.randint(low, high, (N, K), generator=generator)
+    qweight = pack_int4(values.to(torch.uint8), packing) if bits == 4 else values.to(torch.int8)
+    scales = (torch.rand(N, K // group, generator=generator) * 0.02 + 1e-3).to(scale_dtype)
+    zeros = None if scheme == "symmetric" else (torch.rand(N, K // group, generator=generator) - 0.5)
+    zeros = zeros.to(scale_dtype) if zeros is not None else None
+    bias = torch.randn(N, generator=generator) if has_bias else None
+    rows = 7  # two row blocks, the second padded
+    x = torch.randn(rows, K, generator=generator)
+    expected = quantized_linear(
+        x, qweight, scales, zeros, bias, bits=bits, group_size=group, scheme=scheme, packing=packing
+    )
+
+    tile = column_tile(N)
+    dtype_name = {torch.float32: "f32", torch.float16: "f16"}[scale_dtype]
+    spec = QuantSpec(bits, group, scheme, dtype_name)
+    kernel = linear_kernel(K, N, "f32", spec, has_bias)
+    library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target="llvm")
+    weight_layout = int4_tiled_transform(packing, tile) if bits == 4 else tiled_transform(tile)
+    laid_out = [apply_layout(weight_layout, qweight), apply_layout(tiled_transform(tile), scales)]
+    if zeros is not None:
+        laid_out.append(apply_layout(tiled_transform(tile), zeros))
+    if bias is not None:
+        laid_out.append(bias)
+    blocks = -(-rows // ROW_BLOCK)
+    padded = torch.zeros(blocks * ROW_BLOCK, K)
+    padded[:rows] = x
+    device = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros((blocks, ROW_BLOCK, N), np.float32), device)
+    arguments = [padded.reshape(blocks, ROW_BLOCK, K), *laid_out]
+    library["main"](*[tvm.runtime.tensor(a.contiguous().numpy(), device) for a in arguments], out)
+    ours = torch.from_numpy(out.numpy().reshape(-1, N)[:rows])
+    error = float((ours - expected).abs().max() / expected.abs().max())
+    assert error < TOLERANCE, (case, has_bias, error)
