@@ -15,6 +15,7 @@ from kiln.backends.gpu_requirements import TORCH_CUDA, TVM_CUDA, missing_for_gpu
 from kiln.backends.targets import Target, host_gpu_arch
 from kiln.backends.tvm import cuda
 from kiln.ir import Program
+from kiln.passes import PassManager, PassOptions, pipeline
 
 
 def _has_nvcc() -> bool:
@@ -50,6 +51,24 @@ def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other
     assert {(e.kind, e.arch) for e in entries} == {("cubin", arch), ("ptx", arch)}
     with pytest.raises(BackendError, match=f"no cubin for {other}.*cubins for {arch}"):
         cuda.check_cuda_library(library, Target("cuda", other))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_models_compile_for_ampere_and_hopper(
+    quantization: str, tmp_path: Path, make_tiny_program
+) -> None:
+    program = make_tiny_program("llama", tmp_path / "hf")
+    options = PassOptions(quantization=quantization)
+    quantized = PassManager(pipeline(2, options)).run(program, options)[0]
+    assert any(node.op == "quantized_linear" for node in quantized.graph.nodes)
+    for arch in ("sm_80", "sm_90"):
+        folder = tmp_path / arch
+        code = cuda.compile_cuda(quantized, Target("cuda", arch), folder, CompileSettings())
+        lines = cuda.check_cuda_library(folder / cuda.LIBRARY, Target("cuda", arch))
+        assert lines[0].startswith(f"step.so carries a cubin for {arch}"), lines
+        origins = {name: origin for name, origin in code.kernels.items() if name.startswith("qlinear")}
+        assert origins and set(origins.values()) == {"templated (GPU split-K)"}, code.kernels
 
 
 # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
