@@ -7,24 +7,26 @@ The bundle holds no weights: both sides make the same SmolLM2-135M-shaped float3
 seed (config-only program: SmolLM2's config, random weights), so it stays small (a few MB):
 
     OUT/bundle.json            model config, seed, arch, the build's figures
-    OUT/graphs/step.so|json    the step compiled with Relax CUDA-graph rewriting on
-    OUT/nographs/step.so|json  the same, rewriting off
+    OUT/graphs/step.so|json    float32, decode steps replayed as CUDA graphs (step.json cuda_graph.enabled)
+    OUT/nographs/step.so|json  the same, graphs off
+    OUT/int4/step.so|json      the same weights quantized int4 (groups of 32), graphs on
 
 Assumptions on the GPU box: this repo checked out (kiln importable: `pip install -e .` or PYTHONPATH
 at its parent with the folder named kiln), Python with torch (CUDA build), apache-tvm==0.27.0.post1 and
 apache-tvm-ffi==0.1.14.post1 (the runtime libs libtvm_runtime.so and libtvm_runtime_cuda.so come from that
 wheel), an NVIDIA driver for CUDA 13 (>= 580) and libcudart.so.13 on the library path.
 
-The check: logits of the CUDA step vs kiln's reference interpreter (float32, on the CPU) for a prefill
-of two sequences and a decode step (max |diff| / max |ref| <= TOLERANCE), then decode tokens/s at
-batch 1, 16, 64 with and without CUDA graphs, next to the HBM floor (weight bytes per step / bandwidth).
+The check, per build: logits of the CUDA step vs kiln's reference interpreter on the same program
+(float32, on the CPU; int4: the quantized program, so the same dequantized weights) for a prefill of
+two sequences and three decode steps (max |diff| / max |ref| <= TOLERANCE; replayed graphs must not
+change logits already returned), then decode tokens/s at batch 1, 16, 64, next to the HBM floor
+(weight bytes per step / bandwidth). The KV cache is allocated on the GPU, as the engine does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -62,7 +64,11 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def make_program(config_fields: dict[str, Any], seed: int) -> Any:
+BUILDS = {"nographs": (None, False), "graphs": (None, True), "int4": ("int4", True)}  # quantization, graphs
+QUANTIZATIONS = (None, "int4")
+
+
+def make_program(config_fields: dict[str, Any], seed: int, quantization: str | None = None) -> Any:
     """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
     from kiln.build import PipelineOptions, optimize
     from kiln.frontend.config import ModelConfig
@@ -78,7 +84,7 @@ def make_program(config_fields: dict[str, Any], seed: int) -> Any:
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             tensor.add_(1.0)  # norms near 1, as in trained models
-    return optimize(config, weights, PipelineOptions(opt_level=2)).program
+    return optimize(config, weights, PipelineOptions(opt_level=2, quantization=quantization)).program
 
 
 def bundle(out: Path, arch: str) -> None:
@@ -87,9 +93,12 @@ def bundle(out: Path, arch: str) -> None:
     from kiln.backends.tvm.cuda import compile_cuda
 
     out.mkdir(parents=True, exist_ok=True)
-    program = make_program(SMOLLM2_135M, SEED)
+    programs = {
+        quantization: make_program(SMOLLM2_135M, SEED, quantization) for quantization in (None, "int4")
+    }
     figures = {}
-    for name, graphs in (("graphs", True), ("nographs", False)):
+    for name, (quantization, graphs) in BUILDS.items():
+        program = programs[quantization]
         start = time.perf_counter()
         code = compile_cuda(program, Target("cuda", arch), out / name, CompileSettings(), cuda_graph=graphs)
         figures[name] = {
@@ -120,7 +129,12 @@ def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
     if description["device"] != "cuda":
         fail(f"{folder}/step.json is not a CUDA build")
     return TVMExecutable(
-        folder / "step.so", description["params"], weights, kv_spec_from(description["kv_cache"]), "cuda"
+        folder / "step.so",
+        description["params"],
+        weights,
+        kv_spec_from(description["kv_cache"]),
+        "cuda",
+        cuda_graphs=description["cuda_graph"]["enabled"],
     )
 
 
@@ -137,10 +151,12 @@ def check_logits(executable: Any, program: Any) -> float:
     host_cache = reference.kv_cache_spec.allocate(8, BLOCK_SIZE)
     device_cache = executable.kv_cache_spec.allocate(8, BLOCK_SIZE, device="cuda")
     worst = 0.0
-    steps = [
-        [SequenceSlice(p, 0, t) for p, t in zip(prompts, tables, strict=True)],  # prefill
-        [SequenceSlice([42], len(p), t) for p, t in zip(prompts, tables, strict=True)],  # decode
+    steps = [[SequenceSlice(p, 0, t) for p, t in zip(prompts, tables, strict=True)]]  # prefill
+    steps += [  # decode: the first is captured as a graph, the next two replay it
+        [SequenceSlice([42 + d], len(p) + d, t) for p, t in zip(prompts, tables, strict=True)]
+        for d in range(3)
     ]
+    returned = []
     for number, slices in enumerate(steps):
         inputs = build_step_inputs(slices, BLOCK_SIZE)
         expected = reference.step(inputs, host_cache)
@@ -151,6 +167,9 @@ def check_logits(executable: Any, program: Any) -> float:
         kind = "prefill" if number == 0 else "decode"
         print(f"  step {number} ({kind}): max |diff| / max |ref| = {error:.3g}")
         worst = max(worst, error)
+        returned.append((got, got.clone()))
+    if not all(torch.equal(held, kept) for held, kept in returned):
+        fail("logits returned earlier changed under a later step (a replay overwrote them)")
     return worst
 
 
@@ -195,21 +214,26 @@ def check(out: Path) -> None:
         fail(
             f"the bundle is compiled for {info['arch']}, this GPU is {here} ({torch.cuda.get_device_name(0)})"
         )
-    program = make_program(info["config"], info["seed"])
-    weights = dict(program.weights)
+    programs = {
+        quantization: make_program(info["config"], info["seed"], quantization)
+        for quantization in (None, "int4")
+    }
     bandwidth, described = hbm_bandwidth()
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "arch": here, "tolerance": TOLERANCE}
-    for name in ("nographs", "graphs"):
-        # "graphs": Relax's rewriting at build time and decode buckets captured as CUDA graphs at run time
-        os.environ["KILN_CUDA_GRAPHS"] = "1" if name == "graphs" else "0"
+    for name, (quantization, _graphs) in BUILDS.items():
+        if not (out / name).is_dir():
+            print(f"{name}: not in this bundle, skipped")
+            continue
+        program = programs[quantization]
+        weights = dict(program.weights)
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         print(f"{name}: loading {out / name / 'step.so'}")
         executable = _load(out / name, weights)
         error = check_logits(executable, program)
         if error > TOLERANCE:
             fail(f"{name}: CUDA logits differ from the reference by {error:.3g} (tolerance {TOLERANCE:g})")
         speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
-        results[name] = {"max_rel_error": error, "decode_tokens_per_s": speeds}
+        results[name] = {"max_rel_error": error, "decode_tokens_per_s": speeds, "weight_bytes": weight_bytes}
         for batch, speed in speeds.items():
             floor_s = weight_bytes / bandwidth
             print(
@@ -218,8 +242,8 @@ def check(out: Path) -> None:
             )
         del executable
         torch.cuda.empty_cache()
-    results["hbm"] = {"weight_bytes_per_step": weight_bytes, "bandwidth": described}
-    print(f"HBM floor: {weight_bytes / 1e6:.1f} MB of weights read per decode step; {described}")
+    results["hbm"] = {"bandwidth": described}
+    print(f"HBM floors from each build's weight bytes read per decode step; {described}")
     (out / "gpu_check_result.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"gpu_check: OK (logits within {TOLERANCE:g}); results in {out / 'gpu_check_result.json'}")
 

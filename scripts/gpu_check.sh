@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: check kiln's CUDA build of SmolLM2-135M (float32, seeded random weights) against the
-# reference interpreter, and time decode at batch 1, 16, 64 with and without CUDA graphs.
+# On a GPU machine: check kiln's CUDA builds of SmolLM2-135M (seeded random weights: float32 with and
+# without CUDA graphs, and int4) against the reference interpreter, and time decode at batch 1, 16, 64.
 #
 #   here (no GPU):   .venv/bin/python scripts/gpu_bundle.py bundle /tmp/kiln-gpu-bundle   (~1 min, ~2 MB)
 #   on the GPU box:  scripts/gpu_check.sh /tmp/kiln-gpu-bundle
