@@ -221,8 +221,11 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     n = int(qweight.type.shape[0])
     k = int(x_value.type.shape[-1])
     dtype = x_value.type.dtype
-    if dtype != "f32":
-        raise BackendError(f"tvm: quantized_linear takes float32 activations here: {node.describe()}")
+    if dtype != "f32" and lw.target_kind == "cpu":  # GPUs: float16/bfloat16 in and out, float32 sums
+        raise BackendError(
+            f"tvm: quantized_linear takes float32 activations on CPUs, not {dtype}: {node.describe()}",
+            hint="compile quantized models for CPU targets with --dtype f32 (the default)",
+        )
     spec = linear_kernels.QuantSpec(int(bits), int(group), str(scheme), scales.type.dtype)
     x3, blocks = rows_of(lw, node, lw.value(x_value), k)
     leading = x_value.type.shape[0]
@@ -287,7 +290,8 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             lambda: linear_kernels.linear_kernel(k, n, dtype, spec, bias is not None),
             {"k": k, "n": n, "quant": spec},
         )
-    y3 = lw.emit(relax.call_tir(kernel, args, relax.TensorType([blocks, ROW_BLOCK, n], "float32")))
+    out_type = relax.TensorType([blocks, ROW_BLOCK, n], linear_kernels.DTYPE_NAMES[dtype])
+    y3 = lw.emit(relax.call_tir(kernel, args, out_type))
     return [lw.emit(relax.op.reshape(y3, [blocks * ROW_BLOCK, n]))]
 
 

@@ -54,12 +54,12 @@ def test_step_so_carries_a_cubin_for_its_arch_only(tiny_builds, arch: str, other
 
 
 @needs_nvcc
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization,dtype", [("int4", "f32"), ("int8", "f32"), ("int4", "f16")])
 def test_quantized_models_compile_for_ampere_and_hopper(
-    quantization: str, tmp_path: Path, make_tiny_program
+    quantization: str, dtype: str, tmp_path: Path, make_tiny_program
 ) -> None:
     program = make_tiny_program("llama", tmp_path / "hf")
-    options = PassOptions(quantization=quantization)
+    options = PassOptions(quantization=quantization, dtype=dtype)
     quantized = PassManager(pipeline(2, options)).run(program, options)[0]
     assert any(node.op == "quantized_linear" for node in quantized.graph.nodes)
     for arch in ("sm_80", "sm_90"):

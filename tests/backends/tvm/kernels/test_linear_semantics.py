@@ -3,7 +3,8 @@ reduction; cuda_build.py only tiles it into split-K, which keeps its semantics),
 same TIR built for LLVM unscheduled, fed the weights in the layouts the lowering gives it, against the
 IR's quantized_linear on the same weights. Every layout the GPU path takes: 4-bit in both packings
 (int4's zero point, GGUF's min), 8-bit symmetric with int8 and GGUF K-quant value ranges, float32 and
-float16 scales, with and without bias. float32 throughout, so the tolerance is float32 rounding."""
+float16 scales, with and without bias; float32 activations (float32 rounding), and float16 ones
+(`--dtype f16` on a GPU: float32 sums, float16 rounding of the output)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kiln.ir.ops.quant import pack_int4, quantized_linear
 
 K, N = 256, 96  # 96: strips of 32 columns, not the 64 a wider matrix gets
 TOLERANCE = 1e-5  # relative to the largest |output|: float32 sums in another order
+F16_TOLERANCE = 2e-3  # float16 outputs: a relative rounding of 2^-11 of each value
 
 CASES = [  # (bits, group, scheme, packing, value range, scale dtype)
     (4, 128, "zero_point", "pairs", (0, 16), torch.float32),  # --quantization int4
@@ -39,6 +41,17 @@ def _id(case: tuple) -> str:
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_the_gpu_linears_tir_computes_quantized_linear(case: tuple, has_bias: bool) -> None:
+    _check(case, has_bias, torch.float32, TOLERANCE)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:6], ids=_id)
+def test_float16_activations_sum_in_float32(case: tuple) -> None:
+    """`--dtype f16` on a GPU: float16 in and out, the reduction in float32; against the IR in float32
+    on the same float16 inputs, so the error is the output's float16 rounding."""
+    _check(case, True, torch.float16, F16_TOLERANCE)
+
+
+def _check(case: tuple, has_bias: bool, activations: torch.dtype, tolerance: float) -> None:
     bits, group, scheme, packing, (low, high), scale_dtype = case
     generator = torch.Generator().manual_seed(bits * 1000 + group + low)
     values = torch.randint(low, high, (N, K), generator=generator)
@@ -46,17 +59,25 @@ def test_the_gpu_linears_tir_computes_quantized_linear(case: tuple, has_bias: bo
     scales = (torch.rand(N, K // group, generator=generator) * 0.02 + 1e-3).to(scale_dtype)
     zeros = None if scheme == "symmetric" else (torch.rand(N, K // group, generator=generator) - 0.5)
     zeros = zeros.to(scale_dtype) if zeros is not None else None
-    bias = torch.randn(N, generator=generator) if has_bias else None
+    bias = torch.randn(N, generator=generator).to(activations) if has_bias else None
     rows = 7  # two row blocks, the second padded
-    x = torch.randn(rows, K, generator=generator)
+    x = torch.randn(rows, K, generator=generator).to(activations)
     expected = quantized_linear(
-        x, qweight, scales, zeros, bias, bits=bits, group_size=group, scheme=scheme, packing=packing
+        x.float(),
+        qweight,
+        scales,
+        zeros,
+        None if bias is None else bias.float(),
+        bits=bits,
+        group_size=group,
+        scheme=scheme,
+        packing=packing,
     )
 
     tile = column_tile(N)
     dtype_name = {torch.float32: "f32", torch.float16: "f16"}[scale_dtype]
     spec = QuantSpec(bits, group, scheme, dtype_name)
-    kernel = linear_kernel(K, N, "f32", spec, has_bias)
+    kernel = linear_kernel(K, N, {torch.float32: "f32", torch.float16: "f16"}[activations], spec, has_bias)
     library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target="llvm")
     weight_layout = int4_tiled_transform(packing, tile) if bits == 4 else tiled_transform(tile)
     laid_out = [apply_layout(weight_layout, qweight), apply_layout(tiled_transform(tile), scales)]
@@ -65,12 +86,13 @@ def test_the_gpu_linears_tir_computes_quantized_linear(case: tuple, has_bias: bo
     if bias is not None:
         laid_out.append(bias)
     blocks = -(-rows // ROW_BLOCK)
-    padded = torch.zeros(blocks * ROW_BLOCK, K)
+    padded = torch.zeros(blocks * ROW_BLOCK, K, dtype=activations)
     padded[:rows] = x
     device = tvm.cpu()
-    out = tvm.runtime.tensor(np.zeros((blocks, ROW_BLOCK, N), np.float32), device)
+    out_dtype = np.float16 if activations == torch.float16 else np.float32
+    out = tvm.runtime.tensor(np.zeros((blocks, ROW_BLOCK, N), out_dtype), device)
     arguments = [padded.reshape(blocks, ROW_BLOCK, K), *laid_out]
     library["main"](*[tvm.runtime.tensor(a.contiguous().numpy(), device) for a in arguments], out)
-    ours = torch.from_numpy(out.numpy().reshape(-1, N)[:rows])
+    ours = torch.from_numpy(out.numpy().reshape(-1, N)[:rows]).float()
     error = float((ours - expected).abs().max() / expected.abs().max())
-    assert error < TOLERANCE, (case, has_bias, error)
+    assert error < tolerance, (case, has_bias, activations, error)
