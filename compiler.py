@@ -24,7 +24,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from kiln import __version__
-from kiln.backends.base import Backend, BackendError, CompileSettings, DeviceRequiredError, kv_cache_device
+from kiln.backends.base import Backend, BackendError, CompileSettings, DeviceRequiredError, allocate_kv_cache
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import CUDA_ARCHS, Target, host_gpu_arch, mismatch, parse_targets
 from kiln.build import PipelineOptions, Progress, build_program, rank_programs
@@ -265,7 +265,7 @@ def _probe(
     executable = fmt.load_ranks(backend, target, root, ranks)
     try:
         blocks = list(range(1, -(-len(token_ids) // 16) + 1))
-        cache = executable.kv_cache_spec.allocate(len(blocks) + 1, 16, kv_cache_device(executable))
+        cache = allocate_kv_cache(executable, len(blocks) + 1, 16)
         logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
     finally:
         fmt.close_executable(executable)

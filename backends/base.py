@@ -97,6 +97,21 @@ def kv_cache_device(executable: Executable) -> str:
     return str(getattr(executable, "kv_cache_device", "cpu"))
 
 
+def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> torch.Tensor:
+    """A zeroed KV cache of `num_blocks` blocks for `executable`, where it reads it."""
+    return executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))
+
+
+def check_kv_cache_device(kv_cache: torch.Tensor, device: str) -> None:
+    """Refuse a cache that is not where the executable reads it (there are no copies behind it)."""
+    if kv_cache.device.type != device:
+        raise BackendError(
+            f"the KV cache is on {kv_cache.device.type}; this executable reads it on {device}",
+            hint="allocate it with kiln.backends.base.allocate_kv_cache (or kv_cache_spec.allocate(..., "
+            "device=executable.kv_cache_device))",
+        )
+
+
 class Backend(Protocol):
     """Turns a program into files for one target, and those files back into an Executable."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.backends.base import kv_cache_device
+from kiln.backends.base import allocate_kv_cache
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
@@ -34,11 +34,11 @@ def measure(folder: Path, prompt_len: int, decode_len: int, repeats: int) -> tup
     table = list(range(1, blocks + 1))
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first run warms up (thread pool, first-call allocations)
-        cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE, kv_cache_device(executable))
+        cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
         start = time.perf_counter()
         executable.step(build_step_inputs([SequenceSlice(prompt, 0, table)], BLOCK_SIZE), cache)
         prefill.append(prompt_len / (time.perf_counter() - start))
-        cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE, kv_cache_device(executable))
+        cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
         token, start = 1, time.perf_counter()
         for position in range(decode_len):
             inputs = build_step_inputs([SequenceSlice([token], position, table)], BLOCK_SIZE)
@@ -58,9 +58,7 @@ def measure_parallel(
     prompts = [torch.randint(100, 30000, (prompt_len,), generator=generator).tolist() for _ in tables]
     prefill, decode, overall = [], [], []
     for _ in range(repeats + 1):
-        cache = executable.kv_cache_spec.allocate(
-            sequences * per_sequence + 1, BLOCK_SIZE, kv_cache_device(executable)
-        )
+        cache = allocate_kv_cache(executable, sequences * per_sequence + 1, BLOCK_SIZE)
         start = time.perf_counter()
         slices = [SequenceSlice(prompt, 0, table) for prompt, table in zip(prompts, tables, strict=True)]
         logits = executable.step(build_step_inputs(slices, BLOCK_SIZE), cache)

@@ -237,11 +237,11 @@ def _artifact_decode_bytes(path: Path, config: dict[str, Any]) -> tuple[int, int
 
 def _prefill_decode(executable: Executable, prompt: list[int], decode_len: int) -> tuple[float, float]:
     """(prompt tokens/s of one step over the whole prompt, tokens/s of `decode_len` greedy steps)."""
-    from kiln.backends.base import kv_cache_device
+    from kiln.backends.base import allocate_kv_cache
     from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
     num_blocks = -(-(len(prompt) + decode_len) // BLOCK_SIZE)
-    cache = executable.kv_cache_spec.allocate(num_blocks, BLOCK_SIZE, kv_cache_device(executable))
+    cache = allocate_kv_cache(executable, num_blocks, BLOCK_SIZE)
     table = list(range(num_blocks))
     start = time.perf_counter()
     logits = executable.step(build_step_inputs([SequenceSlice(prompt, 0, table)], BLOCK_SIZE), cache)

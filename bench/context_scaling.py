@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.backends.base import kv_cache_device
+from kiln.backends.base import allocate_kv_cache
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
@@ -31,7 +31,7 @@ BASE_CONTEXT = 16
 def decode_step_seconds(executable, context: int, steps: int) -> float:
     blocks = -(-(context + steps) // BLOCK_SIZE)
     table = list(range(1, blocks + 1))
-    cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE, kv_cache_device(executable))
+    cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
     prompt = torch.randint(100, 30000, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     for start in range(0, context, CHUNK):
         piece = prompt[start : start + CHUNK]

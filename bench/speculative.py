@@ -52,10 +52,10 @@ GROUNDED = ("rewrite code", "quote passage")
 
 def step_ms(executable: Any, rows: int, context: int = 300) -> float:
     """The median time of a step computing `rows` tokens of one sequence at `context` tokens."""
-    from kiln.backends.base import kv_cache_device
+    from kiln.backends.base import allocate_kv_cache
     from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
-    cache = executable.kv_cache_spec.allocate(64, 16, kv_cache_device(executable))
+    cache = allocate_kv_cache(executable, 64, 16)
     table = list(range(1, 1 + (context + rows) // 16 + 1))
     executable.step(build_step_inputs([SequenceSlice(list(range(100, 100 + context)), 0, table)], 16), cache)
     tokens = list(range(500, 500 + rows))

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kiln.backends.base import Executable, kv_cache_device
+from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
@@ -391,8 +391,7 @@ def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor |
     token_ids = probe["token_ids"]
     block_size = 16
     blocks = list(range(1, -(-len(token_ids) // block_size) + 1))
-    executable = artifact.executable
-    cache = executable.kv_cache_spec.allocate(len(blocks) + 1, block_size, kv_cache_device(executable))
+    cache = allocate_kv_cache(artifact.executable, len(blocks) + 1, block_size)
     inputs = build_step_inputs([SequenceSlice(token_ids, 0, blocks)], block_size)
     now = artifact.executable.step(inputs, cache)[0]
     if probe["logits_file"] is None:  # compiled where this target could not run: nothing recorded

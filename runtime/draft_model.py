@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.backends.base import Executable, kv_cache_device
+from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.runtime.sampler import draw, make_generator
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Sequence as EngineSequence
@@ -45,7 +45,7 @@ class DraftModelProposer:
         self.executable = executable
         self.block_size = block_size
         self.vocab_size = vocab_size  # the tokenizer's: draft rows beyond it are padding
-        self.kv_cache = executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))
+        self.kv_cache = allocate_kv_cache(executable, num_blocks, block_size)
         self._states: dict[EngineSequence, _DraftState] = {}  # by identity: a seq_id may be used again
 
     def propose(

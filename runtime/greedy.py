@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kiln.backends.base import Executable, kv_cache_device
+from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 
@@ -25,7 +25,7 @@ def greedy_generate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     total = len(prompt_ids) + max_tokens
     num_blocks = (total + block_size - 1) // block_size
-    kv_cache = executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))
+    kv_cache = allocate_kv_cache(executable, num_blocks, block_size)
     block_table = list(range(num_blocks))
     generated: list[int] = []
     pending, num_cached = list(prompt_ids), 0

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
 from kiln.ir import KV_CACHE_INPUT, StepInputs
 
 
@@ -36,12 +36,8 @@ class TensorRTExecutable:
         self._profile = meta.get("engine", {}).get("profile", {})  # each symbolic dim's (min, opt, max)
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        check_kv_cache_device(kv_cache, self.kv_cache_device)
         device = kv_cache.device
-        if device.type != "cuda":
-            raise BackendError(
-                f"the KV cache is on {device}; a TensorRT engine reads it on the GPU",
-                hint="allocate it with kv_cache_spec.allocate(..., device=executable.kv_cache_device)",
-            )
         given = {name: t.to(device).contiguous() for name, t in inputs.as_dict().items()}
         given[KV_CACHE_INPUT] = kv_cache
         for name, tensor in given.items():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout
@@ -173,11 +173,7 @@ class TVMExecutable:
             raise BackendError(
                 "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
             )
-        if kv_cache.device.type != self.device:
-            raise BackendError(
-                f"the KV cache is on {kv_cache.device.type}; this executable reads it on {self.device}",
-                hint="allocate it with kv_cache_spec.allocate(..., device=executable.kv_cache_device)",
-            )
+        check_kv_cache_device(kv_cache, self.device)
         num_logits = inputs.logits_indices.shape[0]
         if self.device == "cuda":
             if self.graphs is not None:
