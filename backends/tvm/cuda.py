@@ -163,6 +163,7 @@ def compile_cuda(
             "nvcc": result["nvcc_flags"],
         },
         "params": result["params"],
+        "functions": result["functions"],
         "kv_cache": _kv_fields(program),
         "cuda_graph": graphs,
     }

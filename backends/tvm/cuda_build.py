@@ -34,6 +34,12 @@ from kiln.ir import graph_from_json
 
 LINEAR_COLUMNS = 32
 LINEAR_SPLIT_K = 8
+GEMM_ROW_BLOCKS = 8  # blocks of 4 rows a thread block: 32 rows, one threadIdx.y each
+GEMM_COLUMNS = 64  # output columns a thread block
+GEMM_THREAD_COLUMNS = 4  # adjacent columns a thread: 4 rows x 4 columns of sums in registers
+GEMM_K = 16  # k a shared-memory weight tile: [16, 64] float32, 4 KiB
+SPLIT_K_ORIGIN = "templated (GPU split-K)"
+GEMM_ORIGIN = "templated (GPU tiled GEMM)"
 
 
 def gpu_rules() -> list[Any]:
@@ -47,12 +53,14 @@ def gpu_rules() -> list[Any]:
     ]
 
 
-def schedule_linear_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def schedule_linear_gpu(func: tirx.PrimFunc, threads: bool = True) -> tirx.PrimFunc:
     """y[q, 4, N] = x @ W as split-K GEMV: a block per (row block, 32 columns), 32 x 8 threads; threadIdx.x
     walks 32 adjacent columns (coalesced weight reads), threadIdx.y splits K in 8 and the 8 partial
     sums meet in a cross-thread reduction; the 4 rows of a block run in turn (weights hot in L1).
-    Layout stages (weight_kn, dequantize) are inlined into the reduction."""
+    Layout stages (weight_kn, dequantize) are inlined into the reduction. `threads=False`: the same
+    loops left serial, so a CPU can run the schedule's arithmetic (tests)."""
     sch = s_tir.Schedule(func)
+    bind = _binder(sch, threads)
     for name in ("weight_kn", "scales_f32", "zeros_f32", "dequantize"):
         if _has_block(sch, name):
             sch.compute_inline(sch.get_sblock(name))
@@ -61,15 +69,57 @@ def schedule_linear_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     jo, ji = sch.split(j, [None, LINEAR_COLUMNS])
     ko, ki = sch.split(k, [None, LINEAR_SPLIT_K])
     sch.reorder(a, jo, ji, b, ki, ko)
-    sch.bind(a, "blockIdx.y")
-    sch.bind(jo, "blockIdx.x")
-    sch.bind(ji, "threadIdx.x")
-    sch.bind(ki, "threadIdx.y")
+    bind(a, "blockIdx.y")
+    bind(jo, "blockIdx.x")
+    bind(ji, "threadIdx.x")
+    bind(ki, "threadIdx.y")
     out = sch.get_sblock("out")
     outer, inner = sch.split(sch.fuse(*sch.get_loops(out)), [None, 256])
-    sch.bind(outer, "blockIdx.x")
-    sch.bind(inner, "threadIdx.x")
+    bind(outer, "blockIdx.x")
+    bind(inner, "threadIdx.x")
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def schedule_gemm_gpu(func: tirx.PrimFunc, threads: bool = True) -> tirx.PrimFunc:
+    """y[q, 4, N] = x @ W as a tiled GEMM for many rows: a block per (32 rows, 64 columns), 16 x 8
+    threads, each summing 4 rows x 4 adjacent columns in registers. Per step of 16 k the block
+    dequantizes (or copies) the weight tile [16, 64] into shared memory once, for all its 32 rows,
+    where the split-K GEMV reads every weight once per 4 rows. Rows past q are masked.
+    `threads=False`: the same loops serial and the tile in a plain buffer (tests, on a CPU)."""
+    sch = s_tir.Schedule(func)
+    bind = _binder(sch, threads)
+    for name in ("scales_f32", "zeros_f32"):
+        if _has_block(sch, name):
+            sch.compute_inline(sch.get_sblock(name))
+    block = sch.get_sblock("linear")
+    a, b, j, k = sch.get_loops(block)
+    threads_x = GEMM_COLUMNS // GEMM_THREAD_COLUMNS
+    a_outer, a_inner = sch.split(a, [None, GEMM_ROW_BLOCKS])
+    j_outer, j_thread, j_inner = sch.split(j, [None, threads_x, GEMM_THREAD_COLUMNS])
+    k_outer, k_inner = sch.split(k, [None, GEMM_K])
+    sch.reorder(a_outer, j_outer, a_inner, j_thread, k_outer, k_inner, b, j_inner)
+    bind(a_outer, "blockIdx.y")
+    bind(j_outer, "blockIdx.x")
+    bind(a_inner, "threadIdx.y")
+    bind(j_thread, "threadIdx.x")
+    sums = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_inline(sch.get_sblock("out"))  # bias and cast on the way out of registers
+    sch.reverse_compute_at(sums, j_thread)
+    weight = sch.get_sblock("dequantize" if _has_block(sch, "dequantize") else "weight_kn")
+    if threads:
+        sch.set_scope(weight, 0, "shared")
+    sch.compute_at(weight, k_outer)
+    _, thread_y, thread_x = sch.split(
+        sch.fuse(*sch.get_loops(weight)[-2:]), [None, GEMM_ROW_BLOCKS, threads_x]
+    )
+    bind(thread_y, "threadIdx.y")
+    bind(thread_x, "threadIdx.x")
+    sch.decompose_reduction(block, k_outer)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _binder(sch: s_tir.Schedule, threads: bool) -> Any:
+    return sch.bind if threads else (lambda loop, thread: None)
 
 
 def _has_block(sch: s_tir.Schedule, name: str) -> bool:
@@ -81,13 +131,13 @@ def _has_block(sch: s_tir.Schedule, name: str) -> bool:
 
 
 def schedule_gpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[tirx.PrimFunc, str]:
-    """The GPU schedule of a kiln kernel: the split-K template for linear layers, dlight's GPU rules
-    (first that applies) for the row-wise TE kernels; attention / kv_write come scheduled.
+    """The GPU schedule of a kiln kernel in `step`: the tiled GEMM for linear layers, dlight's GPU
+    rules (first that applies) for the row-wise TE kernels; attention / kv_write come scheduled.
     Runs inside `with target:` (dlight reads the thread limits from the current target)."""
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
         return func, "hand-written TIR"
     if kind in ("linear", "qlinear"):
-        return schedule_linear_gpu(func), "templated (GPU split-K)"
+        return schedule_gemm_gpu(func), GEMM_ORIGIN
     for rule in gpu_rules():
         try:
             scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
@@ -99,6 +149,16 @@ def schedule_gpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
         f"tvm: no dlight GPU rule schedules the {kind} kernel",
         hint="add a GPU schedule for it in backends/tvm/cuda_build.py",
     )
+
+
+def decode_gemv(
+    kind: str, key: tuple[Any, ...], func: tirx.PrimFunc, info: dict[str, Any]
+) -> tuple[tirx.PrimFunc, str] | None:
+    """`decode` (one block of 4 rows) takes the split-K GEMV for linear layers, `step`'s kernels
+    for the rest."""
+    if kind in ("linear", "qlinear") and not (func.attrs is not None and "tirx.is_scheduled" in func.attrs):
+        return schedule_linear_gpu(func), SPLIT_K_ORIGIN
+    return None
 
 
 def _register_nvcc(arch: str, ptx: bool, calls: list[dict[str, Any]]) -> None:
@@ -148,7 +208,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
     start = time.perf_counter()
     with target:
-        lowered = lower_graph(graph, "cuda", schedule_gpu)
+        lowered = lower_graph(graph, "cuda", schedule_gpu, decode=True, decode_kernels=decode_gemv)
         times["lower_and_schedule_kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         module = tvm.transform.Sequential(
@@ -195,6 +255,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "params": [spec.to_dict() for spec in lowered.params],
         "kernels": {**fused, **lowered.kernel_origins},
+        "functions": lowered.functions,
         "nvcc_flags": nvcc_calls[-1]["flags"],
         "seconds": times,
     }

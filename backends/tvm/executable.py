@@ -3,7 +3,8 @@
 The step's token rows and logits rows are padded to multiples of 4 here (padding tokens write no K/V
 and belong to no sequence); tensors cross into TVM by DLPack, without copies, and the KV cache is
 written in place. A step whose padded token rows and logits rows are one block of 4 each (a decode of
-up to 4 sequences) runs the `decode` function when the artifact has one (CPU), `step` otherwise.
+up to 4 sequences) runs the `decode` function when the artifact has one (CPU; CUDA, with its split-K
+GEMV linears), `step` otherwise.
 """
 
 from __future__ import annotations

@@ -67,8 +67,10 @@ def test_quantized_models_compile_for_ampere_and_hopper(
         code = cuda.compile_cuda(quantized, Target("cuda", arch), folder, CompileSettings())
         lines = cuda.check_cuda_library(folder / cuda.LIBRARY, Target("cuda", arch))
         assert lines[0].startswith(f"step.so carries a cubin for {arch}"), lines
-        origins = {name: origin for name, origin in code.kernels.items() if name.startswith("qlinear")}
-        assert origins and set(origins.values()) == {"templated (GPU split-K)"}, code.kernels
+        step = {name: origin for name, origin in code.kernels.items() if name.startswith("qlinear_")}
+        decode = {name: origin for name, origin in step.items() if name.startswith("qlinear_decode")}
+        assert decode and set(decode.values()) == {"templated (GPU split-K)"}, code.kernels
+        assert set(step.values()) - set(decode.values()) == {"templated (GPU tiled GEMM)"}, code.kernels
 
 
 # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
@@ -97,7 +99,11 @@ def test_step_json_and_kernel_origins(tiny_builds) -> None:
     assert description["params"] and description["cuda_graph"]["enabled"] is True
     origins = code.kernels
     assert {origins[k] for k in origins if k.startswith(("attention", "kv_write"))} == {"hand-written TIR"}
-    assert all(origins[k] == "templated (GPU split-K)" for k in origins if k.startswith("linear"))
+    assert description["functions"] == ["step", "decode"]
+    linears = {k: origins[k] for k in origins if k.startswith("linear")}
+    decode = {v for k, v in linears.items() if k.startswith("linear_decode")}
+    step = {v for k, v in linears.items() if not k.startswith("linear_decode")}
+    assert decode == {"templated (GPU split-K)"} and step == {"templated (GPU tiled GEMM)"}
     assert code.manifest["gpu_arch"] == "sm_90" and code.files == [cuda.LIBRARY, cuda.DESCRIPTION]
 
 

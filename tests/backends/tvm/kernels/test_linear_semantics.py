@@ -1,10 +1,12 @@
 """The quantized linear a CUDA artifact runs (kernels/linear.py: weights dequantized inside the
-reduction; cuda_build.py only tiles it into split-K, which keeps its semantics), run on the CPU: the
-same TIR built for LLVM unscheduled, fed the weights in the layouts the lowering gives it, against the
-IR's quantized_linear on the same weights. Every layout the GPU path takes: 4-bit in both packings
-(int4's zero point, GGUF's min), 8-bit symmetric with int8 and GGUF K-quant value ranges, float32 and
-float16 scales, with and without bias; float32 activations (float32 rounding), and float16 ones
-(`--dtype f16` on a GPU: float32 sums, float16 rounding of the output)."""
+reduction; cuda_build.py tiles it into a split-K GEMV for `decode` and a tiled GEMM for `step`), run
+on the CPU: the same TIR built for LLVM, unscheduled and with each GPU schedule's loops left serial
+(their arithmetic, masks and write-back regions; not the threads' cooperation), fed the weights in
+the layouts the lowering gives it, against the IR's quantized_linear on the same weights. Every
+layout the GPU path takes: 4-bit in both packings (int4's zero point, GGUF's min), 8-bit symmetric
+with int8 and GGUF K-quant value ranges, float32 and float16 scales, with and without bias; float32
+activations (float32 rounding), and float16 ones (`--dtype f16` on a GPU: float32 sums, float16
+rounding of the output)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import pytest
 import torch
 import tvm
 
+from kiln.backends.tvm.cuda_build import schedule_gemm_gpu, schedule_linear_gpu
 from kiln.backends.tvm.kernels.linear import ROW_BLOCK, QuantSpec, column_tile, linear_kernel
 from kiln.backends.tvm.layouts import apply_layout, int4_tiled_transform, tiled_transform
 from kiln.ir.ops.quant import pack_int4, quantized_linear
 
-K, N = 256, 96  # 96: strips of 32 columns, not the 64 a wider matrix gets
+K, N = 256, 96  # 96: strips of 32 columns, not the 64 a wider matrix gets; 1.5 GEMM column tiles
 TOLERANCE = 1e-5  # relative to the largest |output|: float32 sums in another order
 F16_TOLERANCE = 2e-3  # float16 outputs: a relative rounding of 2^-11 of each value
 
@@ -51,7 +54,18 @@ def test_float16_activations_sum_in_float32(case: tuple) -> None:
     _check(case, True, torch.float16, F16_TOLERANCE)
 
 
-def _check(case: tuple, has_bias: bool, activations: torch.dtype, tolerance: float) -> None:
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:5] + CASES[6:7], ids=_id)
+@pytest.mark.parametrize("schedule", [schedule_linear_gpu, schedule_gemm_gpu], ids=["split_k", "gemm"])
+@pytest.mark.parametrize("activations", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_the_gpu_schedules_keep_the_sums(case: tuple, schedule, activations: torch.dtype) -> None:
+    """37 rows: one full GEMM row tile of 32 and a masked one; 96 columns: a full and a half tile."""
+    tolerance = TOLERANCE if activations == torch.float32 else F16_TOLERANCE
+    _check(case, True, activations, tolerance, rows=37, schedule=lambda f: schedule(f, threads=False))
+
+
+def _check(
+    case: tuple, has_bias: bool, activations: torch.dtype, tolerance: float, rows: int = 7, schedule=None
+) -> None:
     bits, group, scheme, packing, (low, high), scale_dtype = case
     generator = torch.Generator().manual_seed(bits * 1000 + group + low)
     values = torch.randint(low, high, (N, K), generator=generator)
@@ -60,7 +74,6 @@ def _check(case: tuple, has_bias: bool, activations: torch.dtype, tolerance: flo
     zeros = None if scheme == "symmetric" else (torch.rand(N, K // group, generator=generator) - 0.5)
     zeros = zeros.to(scale_dtype) if zeros is not None else None
     bias = torch.randn(N, generator=generator).to(activations) if has_bias else None
-    rows = 7  # two row blocks, the second padded
     x = torch.randn(rows, K, generator=generator).to(activations)
     expected = quantized_linear(
         x.float(),
@@ -78,6 +91,8 @@ def _check(case: tuple, has_bias: bool, activations: torch.dtype, tolerance: flo
     dtype_name = {torch.float32: "f32", torch.float16: "f16"}[scale_dtype]
     spec = QuantSpec(bits, group, scheme, dtype_name)
     kernel = linear_kernel(K, N, {torch.float32: "f32", torch.float16: "f16"}[activations], spec, has_bias)
+    if schedule is not None:
+        kernel = schedule(kernel)
     library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target="llvm")
     weight_layout = int4_tiled_transform(packing, tile) if bits == 4 else tiled_transform(tile)
     laid_out = [apply_layout(weight_layout, qweight), apply_layout(tiled_transform(tile), scales)]
