@@ -6,10 +6,12 @@
 The bundle holds no weights: both sides make the same SmolLM2-135M-shaped float32 weights from a fixed
 seed (config-only program: SmolLM2's config, random weights), so it stays small (a few MB):
 
-    OUT/bundle.json            model config, seed, arch, the build's figures
+    OUT/bundle.json            model config, seed, arch, the build's figures, the 8B weights' shapes
     OUT/graphs/step.so|json    float32, decode steps replayed as CUDA graphs (step.json cuda_graph.enabled)
     OUT/nographs/step.so|json  the same, graphs off
     OUT/int4/step.so|json      the same weights quantized int4 (groups of 32), graphs on
+    OUT/llama8b/step.so|json   a Llama-3-8B-shaped model in float16 (built from meta tensors), graphs on;
+                               the GPU box makes its 16 GB of random weights on the GPU
 
 Assumptions on the GPU box: this repo checked out (kiln importable: `pip install -e .` or PYTHONPATH
 at its parent with the folder named kiln), Python with torch (CUDA build), apache-tvm==0.27.0.post1 and
@@ -21,6 +23,11 @@ The check, per build: logits of the CUDA step vs kiln's reference interpreter on
 two sequences and three decode steps (max |diff| / max |ref| <= TOLERANCE; replayed graphs must not
 change logits already returned), then decode tokens/s at batch 1, 16, 64, next to the HBM floor
 (weight bytes per step / bandwidth). The KV cache is allocated on the GPU, as the engine does.
+
+The 8B build has no reference on the box (float32 on the CPU would take 32 GB and minutes): its check is
+that `step` (the tiled GEMM linears) and `decode` (the split-K GEMV ones) agree, the last token of a
+prefill against the same token decoded after the others (LLAMA_TOLERANCE, float16), then prefill
+tokens/s for one 512-token prompt and decode tokens/s at batch 1, 16, 64 as a fraction of the HBM floor.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ BATCHES = (1, 16, 64)
 CONTEXT = 128  # tokens already in each sequence's cache when decode is timed
 DECODE_STEPS = 32
 BLOCK_SIZE = 16
+LLAMA_TOLERANCE = 2e-2  # float16 activations and weights, two kernels' summation orders
+PREFILL_TOKENS = 512
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # vendor peak figures
 
 SMOLLM2_135M = {
@@ -56,6 +65,21 @@ SMOLLM2_135M = {
     "rope_theta": 100000.0,
     "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
+}
+
+LLAMA3_8B = {
+    "architecture": "LlamaForCausalLM",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
 }
 
 
@@ -87,6 +111,19 @@ def make_program(config_fields: dict[str, Any], seed: int, quantization: str | N
     return optimize(config, weights, PipelineOptions(opt_level=2, quantization=quantization)).program
 
 
+def meta_program(config_fields: dict[str, Any], dtype: str) -> Any:
+    """`config_fields`' program after the O2 passes in `dtype`; its weights are meta tensors (shapes)."""
+    from kiln.build import PipelineOptions, optimize
+    from kiln.frontend.config import ModelConfig
+    from kiln.frontend.models import model_class
+
+    config = ModelConfig(**config_fields)
+    with torch.device("meta"):
+        shapes = model_class(config)(config).state_dict()
+    weights = {name: torch.empty(t.shape, device="meta") for name, t in shapes.items()}
+    return optimize(config, weights, PipelineOptions(opt_level=2, dtype=dtype)).program
+
+
 def bundle(out: Path, arch: str) -> None:
     from kiln.backends.base import CompileSettings
     from kiln.backends.targets import Target
@@ -108,12 +145,25 @@ def bundle(out: Path, arch: str) -> None:
             "cuda_graph": code.manifest["cuda_graph"],
         }
         print(f"{name}: {figures[name]}")
+    start = time.perf_counter()
+    llama = meta_program(LLAMA3_8B, "f16")
+    code = compile_cuda(llama, Target("cuda", arch), out / "llama8b", CompileSettings(), cuda_graph=True)
+    figures["llama8b"] = {
+        "compile_s": round(time.perf_counter() - start, 1),
+        "step_so_bytes": (out / "llama8b" / "step.so").stat().st_size,
+        "device_code": code.manifest["device_code"],
+    }
+    print(f"llama8b: {figures['llama8b']}")
     info = {
         "config": SMOLLM2_135M,
         "seed": SEED,
         "weight_scale": WEIGHT_SCALE,
         "arch": arch,
         "build": figures,
+        "llama8b": {
+            "config": LLAMA3_8B,
+            "weights": {name: [list(t.shape), str(t.dtype)[6:]] for name, t in llama.weights.items()},
+        },
     }
     (out / "bundle.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
@@ -196,6 +246,81 @@ def decode_tokens_per_s(executable: Any, batch: int) -> float:
     return batch * DECODE_STEPS / (time.perf_counter() - start)
 
 
+def device_weights(shapes: dict[str, list[Any]], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights made on the GPU (norms near 1), from the bundle's {name: [shape, dtype]}."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    weights = {}
+    for name, (shape, dtype) in sorted(shapes.items()):
+        tensor = torch.randn(shape, generator=generator, device="cuda", dtype=getattr(torch, dtype))
+        weights[name] = tensor.mul_(WEIGHT_SCALE).add_(1.0 if name.endswith("norm.weight") else 0.0)
+    return weights
+
+
+def step_against_decode(executable: Any) -> float:
+    """The last token of a 13-token prefill (`step`: 4 row blocks, tiled GEMM linears) against the same
+    token decoded after a 12-token prefill (`decode`: one row block, split-K linears)."""
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    prompt = [1, 17, 300, 4000, 5, 99, 12345, 7, 8, 100, 2000, 30000, 77]
+    first = executable.kv_cache_spec.allocate(4, BLOCK_SIZE, device="cuda")
+    whole = executable.step(build_step_inputs([SequenceSlice(prompt, 0, [1])], BLOCK_SIZE), first).cpu()
+    second = executable.kv_cache_spec.allocate(4, BLOCK_SIZE, device="cuda")
+    executable.step(build_step_inputs([SequenceSlice(prompt[:-1], 0, [1])], BLOCK_SIZE), second)
+    last = executable.step(
+        build_step_inputs([SequenceSlice(prompt[-1:], len(prompt) - 1, [1])], BLOCK_SIZE), second
+    )
+    last = last.cpu().float()
+    if not (torch.isfinite(whole).all() and torch.isfinite(last).all()):
+        fail("llama8b: logits are not finite")
+    return float((whole.float()[-1] - last[-1]).abs().max() / last[-1].abs().max())
+
+
+def prefill_tokens_per_s(executable: Any) -> float:
+    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+    blocks = -(-PREFILL_TOKENS // BLOCK_SIZE)
+    cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE, device="cuda")
+    tokens = [(i * 31) % 10000 + 1 for i in range(PREFILL_TOKENS)]
+    inputs = build_step_inputs([SequenceSlice(tokens, 0, list(range(1, blocks + 1)))], BLOCK_SIZE)
+    executable.step(inputs, cache)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    executable.step(inputs, cache)
+    torch.cuda.synchronize()
+    return PREFILL_TOKENS / (time.perf_counter() - start)
+
+
+def check_llama8b(out: Path, info: dict[str, Any], bandwidth: float) -> dict[str, Any]:
+    shapes = info["llama8b"]["weights"]
+    weights = device_weights(shapes, info["seed"])
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"llama8b: {weight_bytes / 1e9:.2f} GB of float16 weights made on the GPU; loading")
+    executable = _load(out / "llama8b", weights)
+    del weights
+    torch.cuda.empty_cache()
+    error = step_against_decode(executable)
+    print(f"  step (tiled GEMM) vs decode (split-K GEMV): max |diff| / max |logit| = {error:.3g}")
+    if error > LLAMA_TOLERANCE:
+        fail(f"llama8b: step and decode disagree by {error:.3g} (tolerance {LLAMA_TOLERANCE:g})")
+    prefill = prefill_tokens_per_s(executable)
+    print(f"  prefill {PREFILL_TOKENS} tokens: {prefill:10.1f} tokens/s")
+    floor_s = weight_bytes / bandwidth
+    speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
+    for batch, speed in speeds.items():
+        step_s = batch / speed
+        print(
+            f"  decode batch {batch:>3}: {speed:10.1f} tokens/s  ({step_s * 1e3:.2f} ms/step = "
+            f"{step_s / floor_s:.2f}x the HBM floor of {floor_s * 1e3:.3f} ms)"
+        )
+    return {
+        "step_vs_decode_error": error,
+        "prefill_tokens_per_s": prefill,
+        "decode_tokens_per_s": speeds,
+        "weight_bytes": weight_bytes,
+        "batch1_over_floor": (1 / speeds[1]) / floor_s,
+    }
+
+
 def hbm_bandwidth() -> tuple[float, str]:
     name = torch.cuda.get_device_name(0)
     for key, value in HBM_BYTES_PER_S.items():
@@ -242,6 +367,8 @@ def check(out: Path) -> None:
             )
         del executable
         torch.cuda.empty_cache()
+    if (out / "llama8b").is_dir():
+        results["llama8b"] = check_llama8b(out, info, bandwidth)
     results["hbm"] = {"bandwidth": described}
     print(f"HBM floors from each build's weight bytes read per decode step; {described}")
     (out / "gpu_check_result.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

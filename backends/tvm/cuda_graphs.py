@@ -4,13 +4,13 @@ A decode step (every sequence computes one token and wants its logits, in order)
 bucket of sequences (1, 4, 16, 64) and its block tables to a power-of-two width: empty sequences own
 no query rows, so their rows are zeros and their logits are dropped. The first step of a bucket runs
 once to warm the VM's memory pool, then is captured into a `torch.cuda.CUDAGraph` through
-`tvm_ffi.use_torch_stream`; later steps of that bucket copy their inputs into the captured buffers,
-replay it and copy the logits out (the next replay overwrites the captured output). A capture is
-keyed by everything it baked in: the bucket, the table width and the KV cache (address, shape, dtype,
-device), and it holds the cache so that address cannot be reused by another tensor. This is the only
-capture mechanism: the build does not run Relax's RewriteCUDAGraph, whose captures would nest inside
-this one. Any capture failure turns graphs off for the executable, with a warning, and steps run as
-plain calls.
+`tvm_ffi.use_torch_stream`; later steps of that bucket upload their inputs (one copy from pinned
+memory, staging.py), copy them into the captured buffers on the device, replay it and copy the
+logits out (the next replay overwrites the captured output). A capture is keyed by everything it
+baked in: the bucket, the table width and the KV cache (address, shape, dtype, device), and it holds
+the cache so that address cannot be reused by another tensor. This is the only capture mechanism:
+the build does not run Relax's RewriteCUDAGraph, whose captures would nest inside this one. Any
+capture failure turns graphs off for the executable, with a warning, and steps run as plain calls.
 
 Written without a GPU: keys, padding and the copy-out are tested on the CPU with a stand-in for the
 graph that re-runs the step into the same output buffer (tests/backends/tvm/test_cuda_graphs.py);
@@ -150,7 +150,7 @@ class DecodeGraphs:
                 self.enabled = False
                 return None
             self.captured[key] = entry
-        for buffer, tensor in zip(entry.tensors, host, strict=True):
-            buffer.copy_(tensor, non_blocking=True)
+        for buffer, tensor in zip(entry.tensors, executable.upload(host), strict=True):
+            buffer.copy_(tensor)
         entry.graph.replay()
         return entry.logits[: inputs.seq_lens.shape[0]].clone()

@@ -21,6 +21,7 @@ from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout
+from kiln.backends.tvm.staging import ALIGNMENT, InputStaging
 from kiln.ir import DTYPES, StepInputs
 
 ROW_BLOCK = 4
@@ -28,7 +29,6 @@ ROW_BLOCK = 4
 # 2: (token_ids[tq,4], positions, slot_mapping, block_tables, seq_lens, query_start_loc,
 #     logits_indices[lq,4], kv_cache, row_counts[2], *weights)
 STEP_ABI = 2
-ALIGNMENT = 64
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
 _cuda_runtime_loaded = False
@@ -124,6 +124,7 @@ class TVMExecutable:
         self._weights = [self._param(spec, weights) for spec in params]
         self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
         self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs and cuda_graphs_enabled() else None
+        self.staging = InputStaging(device)
 
     def _param(self, spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         source = weights.get(spec["source"])
@@ -157,6 +158,10 @@ class TVMExecutable:
             torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64),
         ]
 
+    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`step_tensors`' host tensors on the executable's device, in one copy (staging.py)."""
+        return self.staging.upload(tensors)
+
     def call(self, tensors: list[torch.Tensor], kv_cache: torch.Tensor) -> Any:
         """Run `decode` (one row block) or `step` on device tensors from `step_tensors`."""
         ffi = self.ffi
@@ -181,7 +186,7 @@ class TVMExecutable:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:
                     return replayed.to("cpu", torch.float32)
-            tensors = [t.to(self.device, non_blocking=True) for t in self.step_tensors(inputs)]
+            tensors = self.upload(self.step_tensors(inputs))
         else:
             tensors = self.step_tensors(inputs)
         logits = torch.from_dlpack(self.call(tensors, kv_cache))[:num_logits]
