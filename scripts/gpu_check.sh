@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: check kiln's CUDA builds of SmolLM2-135M (seeded random weights: float32 with and
-# without CUDA graphs, and int4) against the reference interpreter, and time decode at batch 1, 16, 64.
+# without CUDA graphs, and int4) against the reference interpreter, and time decode at batch 1, 16, 64;
+# then a Llama-3-8B-shaped float16 build (weights made on the GPU): step vs decode kernels agree,
+# prefill tokens/s, decode tokens/s at batch 1, 16, 64 against the HBM floor.
 #
-#   here (no GPU):   .venv/bin/python scripts/gpu_bundle.py bundle /tmp/kiln-gpu-bundle   (~1 min, ~2 MB)
+#   here (no GPU):   .venv/bin/python scripts/gpu_bundle.py bundle /tmp/kiln-gpu-bundle   (~2 min, ~4.4 MB)
 #   on the GPU box:  scripts/gpu_check.sh /tmp/kiln-gpu-bundle
 #
 # Needs on the GPU box: this repo, python with torch (CUDA), apache-tvm==0.27.0.post1 and
