@@ -38,6 +38,7 @@ class PipelineOptions:
     context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
     tensor_parallel_size: int = 1
     rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
+    kv_cache_dtype: str = "auto"  # or "fp8_e4m3": a float8 cache with calibrated scales
 
 
 @dataclass
@@ -92,6 +93,7 @@ def pass_options(options: PipelineOptions, source: ModelSource | None = None) ->
         quantization=quantization,
         group_size=options.group_size,
         dtype=options.dtype,
+        kv_cache_dtype=options.kv_cache_dtype,
         gguf_blocks=gguf_blocks(source) if gguf and source is not None else {},
         quantize_lm_head=gguf,
     )

@@ -59,13 +59,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _model_options(args: argparse.Namespace) -> dict[str, str | None]:
-    """--backend, --quantization, --dtype, --target as `kiln.LLM` keywords."""
+    """--backend, --quantization, --dtype, --kv-cache-dtype, --target as `kiln.LLM` keywords."""
     return {
         "backend": args.backend,
         "quantization": args.quantization,
         "dtype": args.dtype,
+        "kv_cache_dtype": kv_cache_dtype_arg(args.kv_cache_dtype),
         "target": args.target,
     }
+
+
+def kv_cache_dtype_arg(value: str | None) -> str | None:
+    """--kv-cache-dtype as the pipeline names it (vLLM's `fp8` is e4m3)."""
+    return "fp8_e4m3" if value == "fp8" else value
 
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
@@ -173,6 +179,7 @@ def _compile(args: argparse.Namespace) -> int:
     from kiln.compiler import (
         CompileOptions,
         OutputError,
+        check_kv_cache_dtype,
         check_output,
         check_targets,
         check_tensor_parallel,
@@ -188,6 +195,9 @@ def _compile(args: argparse.Namespace) -> int:
         targets = chosen.targets
         check_targets(chosen.backend, targets)
         check_tensor_parallel(chosen.backend, targets, args.tensor_parallel_size)
+        check_kv_cache_dtype(
+            chosen.backend, targets, kv_cache_dtype_arg(args.kv_cache_dtype), args.tensor_parallel_size
+        )
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -197,6 +207,7 @@ def _compile(args: argparse.Namespace) -> int:
         quantization=quantization_arg(args.quantization),
         group_size=args.group_size,
         dtype=args.dtype or "f32",
+        kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype) or "auto",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         tuning_logs=_tuning_logs(args.tuning_logs),
@@ -479,6 +490,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=["f32", "f16", "bf16"], default=None, help="float dtype (default f32)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default=None,
+        help="auto (default): the float dtype; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at "
+        "compile time (TVM backend; CPUs and sm_89+)",
     )
 
 

@@ -26,7 +26,15 @@ from safetensors.torch import save_file
 from kiln import __version__
 from kiln.backends.base import Backend, BackendError, CompileSettings, DeviceRequiredError, allocate_kv_cache
 from kiln.backends.registry import get_backend
-from kiln.backends.targets import CUDA_ARCHS, Target, host_gpu_arch, mismatch, parse_targets
+from kiln.backends.targets import (
+    CUDA_ARCHS,
+    FLOAT8_HINT,
+    Target,
+    float8_kv_cache_refusal,
+    host_gpu_arch,
+    mismatch,
+    parse_targets,
+)
 from kiln.build import PipelineOptions, Progress, build_program, rank_programs
 from kiln.errors import KilnError
 from kiln.frontend.pull import kiln_home, resolve_model
@@ -64,6 +72,7 @@ class CompileOptions:
     tuning_logs: Path | None = None
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks: one program (code and weights) each
+    kv_cache_dtype: str = "auto"  # auto: the float dtype; fp8_e4m3: float8 with calibrated scales
 
     @property
     def pipeline(self) -> PipelineOptions:
@@ -74,6 +83,7 @@ class CompileOptions:
             self.dtype,
             self.max_model_len,
             self.tensor_parallel_size,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -83,6 +93,7 @@ class CompileOptions:
             "quantization": self.quantization,
             "group_size": self.group_size,
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
@@ -176,6 +187,30 @@ def check_tensor_parallel(backend: str, targets: list[Target], world: int) -> No
                 f"tensor parallelism runs on CPU ranks over gloo so far, not on {target.name}",
                 hint="use --target cpu, or --tensor-parallel-size 1 on the GPU",
             )
+
+
+FLOAT8_KV_CACHE_BACKENDS = ("tvm", "reference")
+
+
+def check_kv_cache_dtype(backend: str, targets: list[Target], kv_cache_dtype: str | None, world: int) -> None:
+    """Refuse at once a float8 KV cache where it cannot run: the ONNX backends have no float8 paged
+    attention, GPUs before sm_89 no float8 conversions, and its calibration runs the whole model."""
+    if kv_cache_dtype in ("auto", None):
+        return
+    if backend not in FLOAT8_KV_CACHE_BACKENDS:
+        raise BackendError(
+            f"a float8 KV cache runs on {' and '.join(FLOAT8_KV_CACHE_BACKENDS)}, not {backend}",
+            hint="use --backend tvm, or drop --kv-cache-dtype",
+        )
+    if world > 1:
+        raise BackendError(
+            "a float8 KV cache is calibrated on the whole model, not per tensor-parallel rank",
+            hint="drop --kv-cache-dtype, or use --tensor-parallel-size 1",
+        )
+    for target in targets:
+        refusal = float8_kv_cache_refusal(target)
+        if refusal is not None:
+            raise BackendError(refusal, hint=FLOAT8_HINT)
 
 
 # -- output folders ------------------------------------------------------------------------------------

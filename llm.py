@@ -20,6 +20,7 @@ from kiln.compiler import (
     AUTO,
     CompileOptions,
     OutputError,
+    check_kv_cache_dtype,
     check_targets,
     check_tensor_parallel,
     compile_stages,
@@ -89,6 +90,7 @@ def open_model(
     backend: str = AUTO,
     quantization: str | None = AUTO,
     dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
     target: str | None = None,
     tensor_parallel_size: int | None = None,
     show_progress: bool = True,
@@ -97,7 +99,13 @@ def open_model(
     `tensor_parallel_size`: an artifact's own where None; a model's is 1 then."""
     path = Path(model)
     if is_artifact(path):
-        _check_artifact_options(path, {"backend": backend, "quantization": quantization, "dtype": dtype})
+        asked = {
+            "backend": backend,
+            "quantization": quantization,
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
+        }
+        _check_artifact_options(path, asked)
         return load_artifact(
             path, target=target, verdicts=verdicts_folder(), tensor_parallel_size=tensor_parallel_size
         )
@@ -110,10 +118,12 @@ def open_model(
     chosen = plan(backend, "cpu" if world > 1 and target is None else target)
     check_targets(chosen.backend, chosen.targets)
     check_tensor_parallel(chosen.backend, chosen.targets, world)
+    check_kv_cache_dtype(chosen.backend, chosen.targets, kv_cache_dtype or "auto", world)
     options = CompileOptions(
         backend=chosen.backend,
         quantization=quantization_arg(quantization),
         dtype=dtype or "f32",
+        kv_cache_dtype=kv_cache_dtype or "auto",
         tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
         tensor_parallel_size=world,
     )
@@ -163,9 +173,11 @@ def describe(artifact: LoadedArtifact) -> str:
     quantization = compiled.get("quantization") or "none"
     ranks = artifact.executable
     parallel = f", tensor-parallel {ranks.world}" if isinstance(ranks, TensorParallelExecutable) else ""
+    kv_cache = compiled.get("kv_cache_dtype", "auto")
+    kv_cache = f", KV cache {kv_cache}" if kv_cache != "auto" else ""
     return (
         f"backend {entry['backend']}, target {target}, quantization {quantization}, "
-        f"dtype {compiled.get('dtype', 'f32')}{parallel}"
+        f"dtype {compiled.get('dtype', 'f32')}{kv_cache}{parallel}"
     )
 
 
@@ -177,6 +189,7 @@ class LLM:
         backend: str = AUTO,
         quantization: str | None = AUTO,
         dtype: str | None = None,
+        kv_cache_dtype: str | None = None,
         target: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
@@ -195,6 +208,7 @@ class LLM:
             backend=backend,
             quantization=quantization,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             target=target,
             tensor_parallel_size=tensor_parallel_size,
             show_progress=show_progress,
@@ -208,6 +222,7 @@ class LLM:
                 backend=backend,
                 quantization=quantization,
                 dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype,
                 target=target,
                 show_progress=show_progress,
             )

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from kiln.errors import KilnError
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90")
+FLOAT8_MIN_ARCH = 89  # float8 e4m3 conversions in hardware from Ada (sm_89) on
+FLOAT8_HINT = "drop --kv-cache-dtype fp8_e4m3 for that target, or compile for cuda:sm_89 / cuda:sm_90"
 _MCPU = re.compile(r"^[a-z0-9][a-z0-9_\-.]*$")
 
 
@@ -82,4 +84,15 @@ def mismatch(target: Target) -> str | None:
         return f"the artifact is for {target.name} ({target.gpu_arch}) but this machine has no NVIDIA GPU"
     if host != target.gpu_arch:
         return f"the artifact is for {target.gpu_arch} but this machine's GPU is {host}"
+    return None
+
+
+def float8_kv_cache_refusal(target: Target) -> str | None:
+    """Why `target` cannot hold a float8 KV cache, None where it can (CPUs convert in software)."""
+    arch = target.gpu_arch
+    if arch is not None and int(arch[3:]) < FLOAT8_MIN_ARCH:
+        return (
+            f"a float8 KV cache needs float8 conversions in hardware (sm_89 Ada and newer); "
+            f"{target.name} has none"
+        )
     return None

@@ -11,6 +11,7 @@ DTYPES: dict[str, torch.dtype] = {
     "f32": torch.float32,
     "f16": torch.float16,
     "bf16": torch.bfloat16,
+    "f8e4m3": torch.float8_e4m3fn,  # KV cache storage only (fp8_kv_cache), with per-layer scales
     "i64": torch.int64,
     "i32": torch.int32,
     "u8": torch.uint8,

@@ -2,7 +2,8 @@
 
 O0: nothing. O1: cleanup. O2: cleanup, fusions, cleanup. Quantization (by option) runs first, so
 GGUF blocks are found under the weights' original names and fusions see quantized linears; the dtype
-conversion (by option) runs last.
+conversion (by option) runs next to last, then the float8 KV cache (by option), calibrated on the
+program as it will run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kiln.passes.fusion.logits_rows import PUSH_TAKE_ROWS
 from kiln.passes.fusion.parallel_linears import FUSE_PARALLEL_LINEARS
 from kiln.passes.fusion.rope_attention import FUSE_ROPE_ATTENTION
 from kiln.passes.fusion.swiglu import FUSE_SWIGLU
+from kiln.passes.kv_cache import FP8_KV_CACHE
 from kiln.passes.quantize.swap import QUANTIZE_LINEARS
 
 CLEANUP = fixed_point("cleanup", [CANONICALIZE, FOLD_CONSTANTS, CSE, DCE])
@@ -53,6 +55,7 @@ PASSES: dict[str, Pass] = {
         FUSE_ADD_RMS_NORM,
         QUANTIZE_LINEARS,
         CONVERT_DTYPE,
+        FP8_KV_CACHE,
     )
 }
 
@@ -65,6 +68,8 @@ def pipeline(opt_level: int, options: PassOptions) -> list[Pass]:
         passes.insert(0, QUANTIZE_LINEARS)
     if options.dtype != "f32":
         passes.append(CONVERT_DTYPE)
+    if options.kv_cache_dtype == "fp8_e4m3":
+        passes.append(FP8_KV_CACHE)
     return passes
 
 

@@ -10,6 +10,8 @@ seed (config-only program: SmolLM2's config, random weights), so it stays small 
     OUT/graphs/step.so|json    float32, decode steps replayed as CUDA graphs (step.json cuda_graph.enabled)
     OUT/nographs/step.so|json  the same, graphs off
     OUT/int4/step.so|json      the same weights quantized int4 (groups of 32), graphs on
+    OUT/fp8kv/step.so|json     float32 with a float8 e4m3 KV cache (scales calibrated here and again
+                               on the box from the same seed), graphs on
     OUT/llama8b/step.so|json   a Llama-3-8B-shaped model in float16 (built from meta tensors), graphs on;
                                the GPU box makes its 16 GB of random weights on the GPU
 
@@ -27,7 +29,8 @@ change logits already returned), then decode tokens/s at batch 1, 16, 64, next t
 The 8B build has no reference on the box (float32 on the CPU would take 32 GB and minutes): its check is
 that `step` (the tiled GEMM linears) and `decode` (the split-K GEMV ones) agree, the last token of a
 prefill against the same token decoded after the others (LLAMA_TOLERANCE, float16), then prefill
-tokens/s for one 512-token prompt and decode tokens/s at batch 1, 16, 64 as a fraction of the HBM floor.
+tokens/s for one 512-token prompt and decode tokens/s at batch 1, 16, 64, with CUDA graphs and
+without, as a multiple of the HBM floor.
 """
 
 from __future__ import annotations
@@ -88,11 +91,20 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-BUILDS = {"nographs": (None, False), "graphs": (None, True), "int4": ("int4", True)}  # quantization, graphs
-QUANTIZATIONS = (None, "int4")
+# name: (quantization, CUDA graphs, KV cache dtype)
+BUILDS = {
+    "nographs": (None, False, "auto"),
+    "graphs": (None, True, "auto"),
+    "int4": ("int4", True, "auto"),
+    "fp8kv": (None, True, "fp8_e4m3"),
+}
+PROGRAMS = sorted({(quantization, kv_cache) for quantization, _, kv_cache in BUILDS.values()}, key=str)
+FP8_TOLERANCE = 1e-2  # a K/V value near a float8 rounding tie may round the other way (one step, 1/16)
 
 
-def make_program(config_fields: dict[str, Any], seed: int, quantization: str | None = None) -> Any:
+def make_program(
+    config_fields: dict[str, Any], seed: int, quantization: str | None = None, kv_cache_dtype: str = "auto"
+) -> Any:
     """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
     from kiln.build import PipelineOptions, optimize
     from kiln.frontend.config import ModelConfig
@@ -108,7 +120,8 @@ def make_program(config_fields: dict[str, Any], seed: int, quantization: str | N
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             tensor.add_(1.0)  # norms near 1, as in trained models
-    return optimize(config, weights, PipelineOptions(opt_level=2, quantization=quantization)).program
+    options = PipelineOptions(opt_level=2, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    return optimize(config, weights, options).program
 
 
 def meta_program(config_fields: dict[str, Any], dtype: str) -> Any:
@@ -130,12 +143,10 @@ def bundle(out: Path, arch: str) -> None:
     from kiln.backends.tvm.cuda import compile_cuda
 
     out.mkdir(parents=True, exist_ok=True)
-    programs = {
-        quantization: make_program(SMOLLM2_135M, SEED, quantization) for quantization in (None, "int4")
-    }
+    programs = {key: make_program(SMOLLM2_135M, SEED, *key) for key in PROGRAMS}
     figures = {}
-    for name, (quantization, graphs) in BUILDS.items():
-        program = programs[quantization]
+    for name, (quantization, graphs, kv_cache) in BUILDS.items():
+        program = programs[(quantization, kv_cache)]
         start = time.perf_counter()
         code = compile_cuda(program, Target("cuda", arch), out / name, CompileSettings(), cuda_graph=graphs)
         figures[name] = {
@@ -305,19 +316,23 @@ def check_llama8b(out: Path, info: dict[str, Any], bandwidth: float) -> dict[str
     prefill = prefill_tokens_per_s(executable)
     print(f"  prefill {PREFILL_TOKENS} tokens: {prefill:10.1f} tokens/s")
     floor_s = weight_bytes / bandwidth
-    speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
-    for batch, speed in speeds.items():
-        step_s = batch / speed
-        print(
-            f"  decode batch {batch:>3}: {speed:10.1f} tokens/s  ({step_s * 1e3:.2f} ms/step = "
-            f"{step_s / floor_s:.2f}x the HBM floor of {floor_s * 1e3:.3f} ms)"
-        )
+    speeds: dict[str, dict[int, float]] = {}
+    for graphs in ("graphs", "nographs"):
+        if graphs == "nographs" and executable.graphs is not None:
+            executable.graphs.enabled = False  # the same code and weights, plain calls
+        speeds[graphs] = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
+        for batch, speed in speeds[graphs].items():
+            step_s = batch / speed
+            print(
+                f"  decode {graphs:>8} batch {batch:>3}: {speed:10.1f} tokens/s  ({step_s * 1e3:.2f} ms/step"
+                f" = {step_s / floor_s:.2f}x the HBM floor of {floor_s * 1e3:.3f} ms)"
+            )
     return {
         "step_vs_decode_error": error,
         "prefill_tokens_per_s": prefill,
         "decode_tokens_per_s": speeds,
         "weight_bytes": weight_bytes,
-        "batch1_over_floor": (1 / speeds[1]) / floor_s,
+        "batch1_over_floor": (1 / speeds["graphs"][1]) / floor_s,
     }
 
 
@@ -339,24 +354,22 @@ def check(out: Path) -> None:
         fail(
             f"the bundle is compiled for {info['arch']}, this GPU is {here} ({torch.cuda.get_device_name(0)})"
         )
-    programs = {
-        quantization: make_program(info["config"], info["seed"], quantization)
-        for quantization in (None, "int4")
-    }
+    programs = {key: make_program(info["config"], info["seed"], *key) for key in PROGRAMS}
     bandwidth, described = hbm_bandwidth()
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "arch": here, "tolerance": TOLERANCE}
-    for name, (quantization, _graphs) in BUILDS.items():
+    for name, (quantization, _graphs, kv_cache) in BUILDS.items():
         if not (out / name).is_dir():
             print(f"{name}: not in this bundle, skipped")
             continue
-        program = programs[quantization]
+        program = programs[(quantization, kv_cache)]
+        tolerance = FP8_TOLERANCE if kv_cache == "fp8_e4m3" else TOLERANCE
         weights = dict(program.weights)
         weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         print(f"{name}: loading {out / name / 'step.so'}")
         executable = _load(out / name, weights)
         error = check_logits(executable, program)
-        if error > TOLERANCE:
-            fail(f"{name}: CUDA logits differ from the reference by {error:.3g} (tolerance {TOLERANCE:g})")
+        if error > tolerance:
+            fail(f"{name}: CUDA logits differ from the reference by {error:.3g} (tolerance {tolerance:g})")
         speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
         results[name] = {"max_rel_error": error, "decode_tokens_per_s": speeds, "weight_bytes": weight_bytes}
         for batch, speed in speeds.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: check kiln's CUDA builds of SmolLM2-135M (seeded random weights: float32 with and
-# without CUDA graphs, and int4) against the reference interpreter, and time decode at batch 1, 16, 64;
+# without CUDA graphs, int4, and a float8 KV cache) against the reference interpreter, and time decode at batch 1, 16, 64;
 # then a Llama-3-8B-shaped float16 build (weights made on the GPU): step vs decode kernels agree,
 # prefill tokens/s, decode tokens/s at batch 1, 16, 64 against the HBM floor.
 #

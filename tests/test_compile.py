@@ -85,6 +85,11 @@ def test_compiling_twice_gives_identical_files(
             "CPU ranks over gloo so far, not on cuda",
         ),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1, got 0"),
+        (
+            ["--backend", "onnxruntime", "--kv-cache-dtype", "fp8"],
+            "a float8 KV cache runs on tvm and reference, not onnxruntime",
+        ),
+        (["--target", "cuda:sm_87", "--kv-cache-dtype", "fp8"], "(sm_89 Ada and newer); cuda:sm_87 has none"),
     ],
 )
 def test_impossible_requests_exit_2_at_once(tmp_path: Path, args: list[str], message: str) -> None:

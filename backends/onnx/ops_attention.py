@@ -178,6 +178,11 @@ def _attention_check(node: Node, options: LoweringOptions) -> str | None:
         return "paged_attention must read the step's slot_mapping, block_tables, seq_lens, query_start_loc"
     if not all(isinstance(d, int) for d in cache.type.shape[4:]) or not isinstance(cache.type.shape[0], int):
         return "the cache needs known layers, kv heads and head dim"
+    if cache.type.dtype == "f8e4m3":
+        return (
+            "a float8 KV cache (--kv-cache-dtype fp8_e4m3) runs on the TVM backend only; compile with "
+            "--backend tvm, or without --kv-cache-dtype"
+        )
     return None
 
 

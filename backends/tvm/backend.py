@@ -27,6 +27,7 @@ from kiln.backends.targets import Target
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads
 from kiln.ir import Program
+from kiln.ir.types import DTYPE_OF_TORCH
 
 LIBRARY = "step.so"
 DESCRIPTION = "step.json"
@@ -34,7 +35,7 @@ DESCRIPTION = "step.json"
 
 def _kv_fields(program: Program) -> dict[str, Any]:
     spec = KVCacheSpec.of_graph(program.graph)
-    dtype = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[spec.dtype]
+    dtype = DTYPE_OF_TORCH[spec.dtype]
     return {
         "num_layers": spec.num_layers,
         "num_kv_heads": spec.num_kv_heads,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
-from kiln.backends.targets import Target
+from kiln.backends.targets import FLOAT8_HINT, Target, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
 from kiln.ir import Program, graph_to_json
@@ -145,6 +145,10 @@ def compile_cuda(
 
     arch = target.gpu_arch
     assert arch is not None
+    if _kv_fields(program)["dtype"] == "f8e4m3":
+        refusal = float8_kv_cache_refusal(target)
+        if refusal is not None:
+            raise BackendError(refusal, hint=FLOAT8_HINT)
     folder.mkdir(parents=True, exist_ok=True)
     result = run_build(program, arch, folder, ptx=ptx)
     code = check_cuda_library(folder / LIBRARY, target)

@@ -43,7 +43,7 @@ from kiln.ir.ops.attention import rope_inv_freq
 ROW_BLOCK = linear_kernels.ROW_BLOCK
 PADDED_INPUTS = ("token_ids", "positions", "slot_mapping", "logits_indices")
 _DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32"}
-_DTYPES |= {"u8": "uint8", "i8": "int8", "bool": "bool"}
+_DTYPES |= {"u8": "uint8", "i8": "int8", "bool": "bool", "f8e4m3": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -413,29 +413,37 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     kv_heads = int(k_value.type.shape[1])
     cache_type = node.inputs[3].type if node.inputs[3] is not None else None
     assert cache_type is not None
-    dtype = _DTYPES[cache_type.dtype]
-    if _DTYPES[q_value.type.dtype] != dtype:
-        raise BackendError(f"tvm: paged_attention needs q and the cache in one dtype: {node.describe()}")
+    dtype = _DTYPES[q_value.type.dtype]
+    cache_dtype = _DTYPES[cache_type.dtype]
+    if cache_dtype not in (dtype, "float8_e4m3fn"):
+        raise BackendError(f"tvm: paged_attention needs the cache in q's dtype or float8: {node.describe()}")
     layer = relax.prim_value(tirx.IntImm("int64", int(node.attrs["layer"])))
+    key_scale, value_scale = (
+        relax.prim_value(tirx.FloatImm("float32", float(s))) for s in node.attrs.get("kv_scale", (1.0, 1.0))
+    )
     kernels = attention_cuda_kernels if lw.target_kind == "cuda" else attention_kernels
     write = lw.kernel(
         "kv_write",
-        (kv_heads, head_dim, dtype),
-        lambda: kernels.kv_write_kernel(kv_heads, head_dim, dtype),
+        (kv_heads, head_dim, dtype, cache_dtype),
+        lambda: kernels.kv_write_kernel(kv_heads, head_dim, dtype, cache_dtype),
         {},
     )
     cache = lw.emit(
-        relax.op.call_tir_inplace(write, [k, v, cache, slots, layer], [2], [lw.sinfo(cache_type)])
+        relax.op.call_tir_inplace(
+            write, [k, v, cache, slots, layer, key_scale, value_scale], [2], [lw.sinfo(cache_type)]
+        )
     )
     lw.values[KV_CACHE_INPUT] = cache  # later layers read the cache after this layer's write
     scale, window = float(node.attrs["scale"]), node.attrs.get("sliding_window")
     attend = lw.kernel(
         "attention",
-        (heads, kv_heads, head_dim, scale, window, dtype),
-        lambda: kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype),
+        (heads, kv_heads, head_dim, scale, window, dtype, cache_dtype),
+        lambda: kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype, cache_dtype),
         {},
     )
-    out = relax.call_tir(attend, [q, cache, tables, lens, starts, layer], _out_sinfo(lw, node))
+    out = relax.call_tir(
+        attend, [q, cache, tables, lens, starts, layer, key_scale, value_scale], _out_sinfo(lw, node)
+    )
     return [lw.emit(out)]
 
 

@@ -124,6 +124,24 @@ register(
 )
 
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3 value
+
+
+def to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as the cache stores them: float8 e4m3 as values / scale, saturated to +-448 (the float8
+    cast has no infinity); other dtypes as a plain cast, the scale unused (it is 1 there)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return (values.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return values.to(cache_dtype)
+
+
+def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cached K or V as float32: float8 times its scale, other dtypes as they are."""
+    if stored.dtype == torch.float8_e4m3fn:
+        return stored.to(torch.float32) * scale
+    return stored.to(torch.float32)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,8 +157,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     rope: dict[str, Any] | None = None,
+    kv_scale: Sequence[float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Write this step's K/V into the cache at `slot_mapping`, then attend over each sequence's blocks.
+
+    A float8 cache stores K / kv_scale[0] and V / kv_scale[1] (per-tensor scales of this layer).
 
     With `rope` (the rope op's attributes) and `positions`, q and k are rotated first: the fused form
     of rope → paged_attention, so a backend can rotate in the attention kernel's input stage.
@@ -157,8 +178,9 @@ def paged_attention(
     key_cache = kv_cache[layer, 0].view(num_blocks * block_size, kv_heads, head_dim)
     value_cache = kv_cache[layer, 1].view(num_blocks * block_size, kv_heads, head_dim)
     written = slot_mapping >= 0
-    key_cache[slot_mapping[written]] = k[written].to(kv_cache.dtype)
-    value_cache[slot_mapping[written]] = v[written].to(kv_cache.dtype)
+    key_scale, value_scale = (float(s) for s in kv_scale)
+    key_cache[slot_mapping[written]] = to_cache(k[written], kv_cache.dtype, key_scale)
+    value_cache[slot_mapping[written]] = to_cache(v[written], kv_cache.dtype, value_scale)
 
     group = q.shape[1] // kv_heads
     out = torch.zeros_like(q)
@@ -170,8 +192,8 @@ def paged_attention(
         blocks = block_tables[b, : (context + block_size - 1) // block_size].to(torch.int64)
         keys = kv_cache[layer, 0][blocks].reshape(-1, kv_heads, head_dim)[:context]
         values = kv_cache[layer, 1][blocks].reshape(-1, kv_heads, head_dim)[:context]
-        keys = keys.to(torch.float32).repeat_interleave(group, dim=1)
-        values = values.to(torch.float32).repeat_interleave(group, dim=1)
+        keys = from_cache(keys, key_scale).repeat_interleave(group, dim=1)
+        values = from_cache(values, value_scale).repeat_interleave(group, dim=1)
         first_position = context - (end - start)
         for row in range(start, end):
             out[row] = _attend_one(q[row], keys, values, first_position + row - start, scale, sliding_window)
@@ -236,6 +258,15 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
         require(positions is not None and positions.shape == (q.shape[0],), "positions must be [T]")
     window = attrs.get("sliding_window")
     require(window is None or (isinstance(window, int) and window > 0), "sliding_window must be None or > 0")
+    kv_scale = attrs.get("kv_scale", (1.0, 1.0))
+    require(
+        len(kv_scale) == 2 and all(isinstance(s, float) and s > 0 for s in kv_scale),
+        f"kv_scale must be two positive floats (key, value), got {kv_scale!r}",
+    )
+    require(
+        cache.dtype == "f8e4m3" or tuple(kv_scale) == (1.0, 1.0),
+        f"kv_scale {kv_scale!r} applies to a float8 cache only, this one is {cache.dtype}",
+    )
     return [TensorType(q.dtype, q.shape)]
 
 
@@ -248,6 +279,7 @@ register(
             "rope": "None, or the rope op's attributes: rotate q and k at `positions` (9th input) first",
             "scale": "softmax scale, usually head_dim ** -0.5",
             "sliding_window": "None, or how many most recent positions a query sees (itself included)",
+            "kv_scale": "(key, value) per-tensor scales of a float8 cache: it stores K / key, V / value",
         },
         _infer_paged_attention,
         paged_attention,

@@ -13,6 +13,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from kiln.backends.tvm.kernels.kv_format import FP8, loaded, stored
+
 CHUNK = 16  # keys scored before each rescale of the running sums
 
 
@@ -20,10 +22,23 @@ def _lanes(head_dim: int) -> int:
     return math.gcd(head_dim, 16)
 
 
-def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
+def kv_write_kernel(
+    kv_heads: int, head_dim: int, dtype: str, cache_dtype: str | None = None
+) -> tirx.PrimFunc:
+    """`cache_dtype` (default `dtype`): float8_e4m3fn stores K / k_scale and V / v_scale (kv_format.py)."""
+    cache_dtype = cache_dtype or dtype
+    # TVM's float8 legalization does not vectorize (a scalar if_then_else per element)
+    dims = T.serial if cache_dtype == FP8 else T.vectorized
+
     @T.prim_func(s_tir=True)
     def kv_write(
-        k_handle: T.handle, v_handle: T.handle, cache_handle: T.handle, slot_handle: T.handle, layer: T.int64
+        k_handle: T.handle,
+        v_handle: T.handle,
+        cache_handle: T.handle,
+        slot_handle: T.handle,
+        layer: T.int64,
+        k_scale: T.float32,
+        v_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         n = T.int64()
@@ -33,7 +48,7 @@ def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
         k = T.match_buffer(k_handle, (n, kv_heads, head_dim), dtype)
         v = T.match_buffer(v_handle, (n, kv_heads, head_dim), dtype)
         cache = T.match_buffer(
-            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype
+            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), cache_dtype
         )
         slots = T.match_buffer(slot_handle, (n,), "int64")
         for row in T.serial(n):
@@ -43,18 +58,30 @@ def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
                 slot: T.let[T.int64] = slots[row]
                 if slot >= 0:
                     for h in T.serial(kv_heads):
-                        for d in T.vectorized(head_dim):
-                            cache[layer, 0, slot // block_size, slot % block_size, h, d] = k[row, h, d]
-                            cache[layer, 1, slot // block_size, slot % block_size, h, d] = v[row, h, d]
+                        for d in dims(head_dim):
+                            cache[layer, 0, slot // block_size, slot % block_size, h, d] = stored(
+                                k[row, h, d], cache_dtype, k_scale
+                            )
+                            cache[layer, 1, slot // block_size, slot % block_size, h, d] = stored(
+                                v[row, h, d], cache_dtype, v_scale
+                            )
 
     return kv_write
 
 
 def attention_kernel(
-    heads: int, kv_heads: int, head_dim: int, scale: float, sliding_window: int | None, dtype: str
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    dtype: str,
+    cache_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """One parallel task per (query row, kv head): the group's query heads share each K/V load. Keys go
-    in chunks of CHUNK: scores for the chunk, one rescale of the running sums, then the weighted V."""
+    in chunks of CHUNK: scores for the chunk, one rescale of the running sums, then the weighted V.
+    `cache_dtype` as in kv_write_kernel."""
+    cache_dtype = cache_dtype or dtype
     group = heads // kv_heads
     lanes = _lanes(head_dim)
     chunks = head_dim // lanes
@@ -69,6 +96,8 @@ def attention_kernel(
         lens_handle: T.handle,
         starts_handle: T.handle,
         layer: T.int64,
+        k_scale: T.float32,
+        v_scale: T.float32,
         out_handle: T.handle,
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -81,7 +110,7 @@ def attention_kernel(
         num_starts = T.int64()
         q = T.match_buffer(q_handle, (n, heads, head_dim), dtype)
         cache = T.match_buffer(
-            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype
+            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), cache_dtype
         )
         tables = T.match_buffer(tables_handle, (num_seqs, max_blocks), "int64")
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
@@ -127,8 +156,10 @@ def attention_kernel(
                                     part[lane] = T.float32(0)
                                 for ci in T.serial(chunks):
                                     for lane in T.vectorized(lanes):
-                                        part[lane] = part[lane] + query[g, ci * lanes + lane] * T.Cast(
-                                            "float32", cache[layer, 0, page, offset, kvh, ci * lanes + lane]
+                                        part[lane] = part[lane] + query[g, ci * lanes + lane] * loaded(
+                                            cache[layer, 0, page, offset, kvh, ci * lanes + lane],
+                                            cache_dtype,
+                                            k_scale,
                                         )
                                 # a tree of halving vector adds, not a chain of `lanes` dependent adds
                                 if lanes == 16:
@@ -158,8 +189,8 @@ def attention_kernel(
                             offset: T.let[T.int64] = (first + i) % block_size
                             for g in T.serial(group):
                                 for d in T.vectorized(head_dim):
-                                    acc[g, d] = acc[g, d] + scores[g, i] * T.Cast(
-                                        "float32", cache[layer, 1, page, offset, kvh, d]
+                                    acc[g, d] = acc[g, d] + scores[g, i] * loaded(
+                                        cache[layer, 1, page, offset, kvh, d], cache_dtype, v_scale
                                     )
                     for g in T.serial(group):
                         for d in T.vectorized(head_dim):

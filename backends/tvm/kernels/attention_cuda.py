@@ -16,6 +16,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from kiln.backends.tvm.kernels.kv_format import loaded, stored
+
 WRITE_THREADS = 256
 NEG_INF = -3.0e38
 
@@ -28,14 +30,24 @@ def attention_threads(head_dim: int) -> int:
     return 32
 
 
-def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
+def kv_write_kernel(
+    kv_heads: int, head_dim: int, dtype: str, cache_dtype: str | None = None
+) -> tirx.PrimFunc:
+    """`cache_dtype` (default `dtype`): float8_e4m3fn stores K / k_scale and V / v_scale (kv_format.py)."""
+    cache_dtype = cache_dtype or dtype
     width = kv_heads * head_dim
     threads = min(WRITE_THREADS, width)
     steps = -(-width // threads)
 
     @T.prim_func(s_tir=True)
     def kv_write(
-        k_handle: T.handle, v_handle: T.handle, cache_handle: T.handle, slot_handle: T.handle, layer: T.int64
+        k_handle: T.handle,
+        v_handle: T.handle,
+        cache_handle: T.handle,
+        slot_handle: T.handle,
+        layer: T.int64,
+        k_scale: T.float32,
+        v_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         n = T.int64()
@@ -45,7 +57,7 @@ def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
         k = T.match_buffer(k_handle, (n, kv_heads, head_dim), dtype)
         v = T.match_buffer(v_handle, (n, kv_heads, head_dim), dtype)
         cache = T.match_buffer(
-            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype
+            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), cache_dtype
         )
         slots = T.match_buffer(slot_handle, (n,), "int64")
         for row in T.thread_binding(n, thread="blockIdx.x"):
@@ -61,15 +73,27 @@ def kv_write_kernel(kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
                             offset: T.let[T.int64] = slot % block_size
                             kvh: T.let[T.int64] = e // head_dim
                             d: T.let[T.int64] = e % head_dim
-                            cache[layer, 0, page, offset, kvh, d] = k[row, kvh, d]
-                            cache[layer, 1, page, offset, kvh, d] = v[row, kvh, d]
+                            cache[layer, 0, page, offset, kvh, d] = stored(
+                                k[row, kvh, d], cache_dtype, k_scale
+                            )
+                            cache[layer, 1, page, offset, kvh, d] = stored(
+                                v[row, kvh, d], cache_dtype, v_scale
+                            )
 
     return kv_write
 
 
 def attention_kernel(
-    heads: int, kv_heads: int, head_dim: int, scale: float, sliding_window: int | None, dtype: str
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    dtype: str,
+    cache_dtype: str | None = None,
 ) -> tirx.PrimFunc:
+    """`cache_dtype` as in kv_write_kernel."""
+    cache_dtype = cache_dtype or dtype
     group = heads // kv_heads
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
     threads = attention_threads(head_dim)
@@ -83,6 +107,8 @@ def attention_kernel(
         lens_handle: T.handle,
         starts_handle: T.handle,
         layer: T.int64,
+        k_scale: T.float32,
+        v_scale: T.float32,
         out_handle: T.handle,
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -95,7 +121,7 @@ def attention_kernel(
         num_starts = T.int64()
         q = T.match_buffer(q_handle, (n, heads, head_dim), dtype)
         cache = T.match_buffer(
-            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype
+            cache_handle, (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), cache_dtype
         )
         tables = T.match_buffer(tables_handle, (num_seqs, max_blocks), "int64")
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
@@ -144,14 +170,14 @@ def attention_kernel(
                                 offset: T.let[T.int64] = t % block_size
                                 state[2] = T.float32(0)
                                 for d in T.unroll(head_dim):
-                                    state[2] = state[2] + q_shared[d] * T.Cast(
-                                        "float32", cache[layer, 0, page, offset, kvh, d]
+                                    state[2] = state[2] + q_shared[d] * loaded(
+                                        cache[layer, 0, page, offset, kvh, d], cache_dtype, k_scale
                                     )
                                 state[3] = T.max(state[0], state[2])
                                 for d in T.unroll(head_dim):
                                     acc[d] = acc[d] * T.exp(state[0] - state[3]) + T.exp(
                                         state[2] - state[3]
-                                    ) * T.Cast("float32", cache[layer, 1, page, offset, kvh, d])
+                                    ) * loaded(cache[layer, 1, page, offset, kvh, d], cache_dtype, v_scale)
                                 state[1] = state[1] * T.exp(state[0] - state[3]) + T.exp(state[2] - state[3])
                                 state[0] = state[3]
                     max_shared[tx] = state[0]

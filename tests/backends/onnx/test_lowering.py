@@ -114,3 +114,13 @@ def test_matmulnbits_repacking_stands_for_the_reference_weight(layout_name: str)
     error = float((ours - expected).abs().max() / expected.abs().max())
     # exact where the zero point is a level; int4's float zero point z becomes min = -scale * z (rounds)
     assert error < (1e-6 if layout_name == "int4" else 1e-7)
+
+
+def test_a_float8_kv_cache_is_refused_naming_the_backend_that_runs_it(tmp_path, make_tiny_program) -> None:
+    from kiln.passes import PassManager, PassOptions, pipeline
+
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
+    options = PassOptions(kv_cache_dtype="fp8_e4m3")
+    fp8 = PassManager(pipeline(2, options)).run(program, options)[0]
+    with pytest.raises(BackendError, match=r"\(op paged_attention\).*float8 KV cache .* TVM backend only"):
+        lower_program(fp8)

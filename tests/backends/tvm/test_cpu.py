@@ -197,3 +197,23 @@ def test_quantized_tiny_model_matches_the_reference(
     decode = build_step_inputs([SequenceSlice([7], 20, [3, 7])], BLOCK_SIZE)
     cache_ours, cache_theirs = ours[2], theirs[2]
     assert _relative_error(tvm.step(decode, cache_ours), reference.step(decode, cache_theirs)) < tolerance
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])  # gemma3: sliding-window layers and GQA
+def test_float8_kv_cache_matches_the_reference(
+    kind: str, tmp_path: Path, tvm_compile, make_tiny_program, ragged_run
+) -> None:
+    """--kv-cache-dtype fp8_e4m3: the kernels store K / scale and V / scale as float8 e4m3 and read
+    them back times the scale, as the reference does (the same float8 values, bar ties)."""
+    program = make_tiny_program(kind, tmp_path / "hf", opt_level=0)
+    options = PassOptions(kv_cache_dtype="fp8_e4m3")
+    fp8, _ = PassManager(pipeline(2, options)).run(program, options)
+    tvm = tvm_compile(fp8, tmp_path / "tvm")
+    assert json.loads((tmp_path / "tvm" / "step.json").read_text())["kv_cache"]["dtype"] == "f8e4m3"
+    reference = ReferenceExecutable(fp8.graph, fp8.weights)
+    ours, theirs = ragged_run([tvm, reference], 5)
+    for step in range(2):
+        assert _relative_error(ours[step], theirs[step]) < TOLERANCE, (kind, step)
+    assert ours[2].dtype == theirs[2].dtype == torch.float8_e4m3fn
+    same_bytes = (ours[2].view(torch.uint8) == theirs[2].view(torch.uint8)).float().mean()
+    assert same_bytes > 0.999 and _relative_error(ours[2].float(), theirs[2].float()) < 0.07

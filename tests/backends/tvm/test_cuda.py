@@ -236,3 +236,45 @@ def test_smollm2_cuda_logits_match_the_reference(smollm2_cuda: Path, smollm2_o2)
     expected = smollm2_o2.executable.step(inputs, reference_cache)
     error = float((logits - expected).abs().max() / expected.abs().max())
     assert error < 1e-3, f"CUDA logits differ from the reference by {error:.3g}"
+
+
+def test_gpu_attention_kernels_take_a_float8_cache_with_runtime_scales() -> None:
+    """CUDA codegen of the float8 variants: the cache is __nv_fp8_e4m3, the scales are arguments (one
+    kernel serves every layer), activations stay float16."""
+    import tvm
+
+    from kiln.backends.tvm.kernels import attention_cuda
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    fp8 = "float8_e4m3fn"
+    module = tvm.IRModule(
+        {
+            "attention": attention_cuda.attention_kernel(8, 2, 128, 0.088, None, "float16", fp8),
+            "kv_write": attention_cuda.kv_write_kernel(2, 128, "float16", fp8),
+        }
+    )
+    with target:
+        source = tvm.tirx.build(module, target=target).imports[0].inspect_source("cuda")
+    for kernel in ("attention_kernel", "kv_write_kernel"):
+        signature = re.search(kernel + r"\(([^)]*)\)", source)
+        assert signature is not None, kernel
+        assert "__nv_fp8_e4m3* __restrict__ cache_ptr" in signature.group(1)
+        assert "float k_scale" in signature.group(1) and "float v_scale" in signature.group(1)
+        assert "half* __restrict__" in signature.group(1)
+
+
+@needs_nvcc
+def test_a_float8_kv_cache_compiles_for_hopper_and_is_refused_before_ada(
+    tmp_path: Path, make_tiny_program
+) -> None:
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
+    options = PassOptions(dtype="f16", kv_cache_dtype="fp8_e4m3")
+    fp8 = PassManager(pipeline(2, options)).run(program, options)[0]
+    cuda.compile_cuda(fp8, Target("cuda", "sm_90"), tmp_path / "sm_90", CompileSettings())
+    description = json.loads((tmp_path / "sm_90" / cuda.DESCRIPTION).read_text())
+    assert description["kv_cache"]["dtype"] == "f8e4m3"
+    lines = cuda.check_cuda_library(tmp_path / "sm_90" / cuda.LIBRARY, Target("cuda", "sm_90"))
+    assert lines[0].startswith("step.so carries a cubin for sm_90"), lines
+    with pytest.raises(BackendError, match=r"float8 KV cache needs .* cuda:sm_87 has none"):
+        cuda.compile_cuda(fp8, Target("cuda", "sm_87"), tmp_path / "sm_87", CompileSettings())
+    assert not (tmp_path / "sm_87").exists()

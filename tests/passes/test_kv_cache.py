@@ -1,0 +1,115 @@
+"""fp8_kv_cache: a float8 e4m3 cache with per-layer scales calibrated by running the program once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.backends.reference import ReferenceExecutable
+from kiln.build import PipelineOptions, optimize
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.models import model_class
+from kiln.ir import KV_CACHE_INPUT, Program
+from kiln.ir.ops.attention import FP8_MAX
+from kiln.passes import PassError, PassOptions
+from kiln.passes.kv_cache import (
+    BLOCK_SIZE,
+    CALIBRATION_SEED,
+    CALIBRATION_SEQUENCES,
+    CALIBRATION_TOKENS,
+    HEADROOM,
+    fp8_kv_cache,
+)
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+TINY = {
+    "architecture": "LlamaForCausalLM",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+FP8_TOLERANCE = 2e-2  # max |logits with a float8 cache - float32 cache| / max |logits|, measured 3e-3
+
+
+def _program(kv_cache_dtype: str = "auto", meta: bool = False) -> Program:
+    config = ModelConfig(**TINY)
+    with torch.device("meta"):
+        shapes = model_class(config)(config).state_dict()
+    generator = torch.Generator().manual_seed(3)
+    weights = {
+        name: torch.empty(t.shape, device="meta") if meta else torch.randn(t.shape, generator=generator) * 0.1
+        for name, t in sorted(shapes.items())
+    }
+    return optimize(config, weights, PipelineOptions(opt_level=2, kv_cache_dtype=kv_cache_dtype)).program
+
+
+def test_the_cache_becomes_float8_with_each_layers_calibrated_scales() -> None:
+    plain = _program()
+    fp8 = _program("fp8_e4m3")
+    assert fp8.graph.input(KV_CACHE_INPUT).type.dtype == "f8e4m3"
+    # the calibration by hand: the same prefill with a float32 cache, its largest |K| and |V| per layer
+    generator = torch.Generator().manual_seed(CALIBRATION_SEED)
+    blocks = -(-CALIBRATION_TOKENS // BLOCK_SIZE)
+    slices = [
+        SequenceSlice(
+            torch.randint(0, TINY["vocab_size"], (CALIBRATION_TOKENS,), generator=generator).tolist(),
+            0,
+            list(range(1 + s * blocks, 1 + (s + 1) * blocks)),
+        )
+        for s in range(CALIBRATION_SEQUENCES)
+    ]
+    reference = ReferenceExecutable(plain.graph, plain.weights)
+    cache = reference.kv_cache_spec.allocate(1 + CALIBRATION_SEQUENCES * blocks, BLOCK_SIZE)
+    reference.step(build_step_inputs(slices, BLOCK_SIZE), cache)
+    attention = [node for node in fp8.graph.nodes if node.op == "paged_attention"]
+    assert len(attention) == TINY["num_hidden_layers"]
+    for node in attention:
+        layer = node.attrs["layer"]
+        expected = [float(cache[layer, kind].abs().max()) * HEADROOM / FP8_MAX for kind in (0, 1)]
+        assert node.attrs["kv_scale"] == pytest.approx(expected, rel=1e-6)
+    assert fp8_kv_cache(plain, PassOptions())[1] is False  # only when asked
+
+
+def test_float8_logits_stay_near_the_float32_caches() -> None:
+    plain, fp8 = _program(), _program("fp8_e4m3")
+    prompt = torch.randint(1, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    steps = [
+        build_step_inputs([SequenceSlice(prompt, 0, [1, 2, 3])], 16),
+        build_step_inputs([SequenceSlice([7], 40, [1, 2, 3])], 16),
+    ]
+    runs = []
+    for program in (plain, fp8):
+        executable = ReferenceExecutable(program.graph, program.weights)
+        cache = executable.kv_cache_spec.allocate(4, 16)
+        runs.append([executable.step(inputs, cache) for inputs in steps])
+        assert cache.dtype == (torch.float8_e4m3fn if program is fp8 else torch.float32)
+    for ours, theirs in zip(runs[1], runs[0], strict=True):
+        assert float((ours - theirs).abs().max() / theirs.abs().max()) < FP8_TOLERANCE
+
+
+def test_values_past_the_range_saturate_instead_of_turning_to_nan() -> None:
+    from kiln.ir.ops.attention import from_cache, to_cache
+
+    values = torch.tensor([0.0, 1.0, -3.0, 1e6, -1e6])
+    stored = to_cache(values, torch.float8_e4m3fn, 0.5)
+    assert stored.dtype == torch.float8_e4m3fn
+    assert from_cache(stored, 0.5).tolist() == [0.0, 1.0, -3.0, FP8_MAX * 0.5, -FP8_MAX * 0.5]
+    assert torch.equal(to_cache(values, torch.float32, 1.0), values)
+
+
+def test_calibration_needs_real_weights() -> None:
+    with pytest.raises(PassError, match="weights are shapes only"):
+        _program("fp8_e4m3", meta=True)
+
+
+def test_an_unknown_cache_dtype_is_refused() -> None:
+    with pytest.raises(PassError, match="unknown KV cache dtype 'fp8_e5m2'"):
+        PassOptions(kv_cache_dtype="fp8_e5m2")
