@@ -4,7 +4,7 @@
 # then a Llama-3-8B-shaped float16 build (weights made on the GPU): step vs decode kernels agree,
 # prefill tokens/s, decode tokens/s at batch 1, 16, 64 against the HBM floor.
 #
-#   here (no GPU):   .venv/bin/python scripts/gpu_bundle.py bundle /tmp/kiln-gpu-bundle   (~2 min, ~4.4 MB)
+#   here (no GPU):   .venv/bin/python scripts/gpu_bundle.py bundle /tmp/kiln-gpu-bundle   (~2 min, ~5.5 MB)
 #   on the GPU box:  scripts/gpu_check.sh /tmp/kiln-gpu-bundle
 #
 # Needs on the GPU box: this repo, python with torch (CUDA), apache-tvm==0.27.0.post1 and
