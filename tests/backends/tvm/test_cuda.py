@@ -96,7 +96,7 @@ def test_step_json_and_kernel_origins(tiny_builds) -> None:
     description = json.loads((folder / cuda.DESCRIPTION).read_text())
     assert description["device"] == "cuda" and description["gpu_arch"] == "sm_90"
     assert description["kv_cache"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "f32"}
-    assert description["params"] and description["cuda_graph"]["enabled"] is True
+    assert description["params"]
     origins = code.kernels
     assert {origins[k] for k in origins if k.startswith(("attention", "kv_write"))} == {"hand-written TIR"}
     assert description["functions"] == ["step", "decode"]
