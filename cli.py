@@ -195,9 +195,8 @@ def _compile(args: argparse.Namespace) -> int:
         targets = chosen.targets
         check_targets(chosen.backend, targets)
         check_tensor_parallel(chosen.backend, targets, args.tensor_parallel_size)
-        check_kv_cache_dtype(
-            chosen.backend, targets, kv_cache_dtype_arg(args.kv_cache_dtype), args.tensor_parallel_size
-        )
+        kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
+        check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -207,7 +206,7 @@ def _compile(args: argparse.Namespace) -> int:
         quantization=quantization_arg(args.quantization),
         group_size=args.group_size,
         dtype=args.dtype or "f32",
-        kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype) or "auto",
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         tuning_logs=_tuning_logs(args.tuning_logs),

@@ -122,6 +122,10 @@ def _binder(sch: s_tir.Schedule, threads: bool) -> Any:
     return sch.bind if threads else (lambda loop, thread: None)
 
 
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    return func.attrs is not None and "tirx.is_scheduled" in func.attrs
+
+
 def _has_block(sch: s_tir.Schedule, name: str) -> bool:
     try:
         sch.get_sblock(name)
@@ -134,7 +138,7 @@ def schedule_gpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
     """The GPU schedule of a kiln kernel in `step`: the tiled GEMM for linear layers, dlight's GPU
     rules (first that applies) for the row-wise TE kernels; attention / kv_write come scheduled.
     Runs inside `with target:` (dlight reads the thread limits from the current target)."""
-    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+    if _is_scheduled(func):
         return func, "hand-written TIR"
     if kind in ("linear", "qlinear"):
         return schedule_gemm_gpu(func), GEMM_ORIGIN
@@ -143,7 +147,7 @@ def schedule_gpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
             scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
         except Exception:  # a rule that matches the pattern but cannot schedule it: try the next
             continue
-        if scheduled.attrs is not None and "tirx.is_scheduled" in scheduled.attrs:
+        if _is_scheduled(scheduled):
             return scheduled, f"dlight {type(rule).__name__}"
     raise BackendError(
         f"tvm: no dlight GPU rule schedules the {kind} kernel",
@@ -156,7 +160,7 @@ def decode_gemv(
 ) -> tuple[tirx.PrimFunc, str] | None:
     """`decode` (one block of 4 rows) takes the split-K GEMV for linear layers, `step`'s kernels
     for the rest."""
-    if kind in ("linear", "qlinear") and not (func.attrs is not None and "tirx.is_scheduled" in func.attrs):
+    if kind in ("linear", "qlinear") and not _is_scheduled(func):
         return schedule_linear_gpu(func), SPLIT_K_ORIGIN
     return None
 

@@ -31,6 +31,7 @@ from kiln.backends.tvm.kernels import attention as attention_kernels
 from kiln.backends.tvm.kernels import attention_cuda as attention_cuda_kernels
 from kiln.backends.tvm.kernels import int_dot, quant_gemm, rowwise
 from kiln.backends.tvm.kernels import linear as linear_kernels
+from kiln.backends.tvm.kernels.kv_format import FP8
 from kiln.backends.tvm.layouts import (
     dot_transform,
     factored_transform,
@@ -43,7 +44,7 @@ from kiln.ir.ops.attention import rope_inv_freq
 ROW_BLOCK = linear_kernels.ROW_BLOCK
 PADDED_INPUTS = ("token_ids", "positions", "slot_mapping", "logits_indices")
 _DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32"}
-_DTYPES |= {"u8": "uint8", "i8": "int8", "bool": "bool", "f8e4m3": "float8_e4m3fn"}
+_DTYPES |= {"u8": "uint8", "i8": "int8", "bool": "bool", "f8e4m3": FP8}
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,7 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     assert cache_type is not None
     dtype = _DTYPES[q_value.type.dtype]
     cache_dtype = _DTYPES[cache_type.dtype]
-    if cache_dtype not in (dtype, "float8_e4m3fn"):
+    if cache_dtype not in (dtype, FP8):
         raise BackendError(f"tvm: paged_attention needs the cache in q's dtype or float8: {node.describe()}")
     layer = relax.prim_value(tirx.IntImm("int64", int(node.attrs["layer"])))
     key_scale, value_scale = (

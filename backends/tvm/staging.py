@@ -37,9 +37,9 @@ class InputStaging:
         for tensor in tensors:
             offsets.append(total)
             total += _padded(tensor.numel() * tensor.element_size())
-        self._reserve(total)
-        if self._copied is not None:
+        if self._copied is not None:  # the last copy still reads the host buffer
             self._copied.synchronize()
+        self._reserve(total)
         for offset, tensor in zip(offsets, tensors, strict=True):
             size = tensor.numel() * tensor.element_size()
             self.host[offset : offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
@@ -58,7 +58,5 @@ class InputStaging:
         if size <= self.host.numel():
             return
         capacity = 1 << max(12, (size - 1).bit_length())
-        if self._copied is not None:  # the old host buffer may still be read by the last copy
-            self._copied.synchronize()
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
         self.on_device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
