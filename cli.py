@@ -179,6 +179,7 @@ def _compile(args: argparse.Namespace) -> int:
     from kiln.compiler import (
         CompileOptions,
         OutputError,
+        check_dtype,
         check_kv_cache_dtype,
         check_output,
         check_targets,
@@ -197,6 +198,7 @@ def _compile(args: argparse.Namespace) -> int:
         check_tensor_parallel(chosen.backend, targets, args.tensor_parallel_size)
         kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
         check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
+        check_dtype(targets, args.dtype)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -243,9 +245,11 @@ def _compile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     elif not args.quiet:
-        print(f"{'target':<14}{'backend':<12}{'version':<16}files")
+        width = max(len(name) for name in ["target", *manifest["targets"]]) + 2
+        print(f"{'target':<{width}}{'backend':<12}{'version':<18}files")
         for name, entry in manifest["targets"].items():
-            print(f"{name:<14}{entry['backend']:<12}{entry['backend_version']:<16}{', '.join(entry['code'])}")
+            code = ", ".join(entry["code"])
+            print(f"{name:<{width}}{entry['backend']:<12}{entry['backend_version']:<18}{code}")
         for name, entry in manifest["targets"].items():
             origins: dict[str, list[str]] = {}
             for kernel, origin in entry.get("kernels", {}).items():
@@ -305,6 +309,23 @@ def _tune(args: argparse.Namespace) -> int:
             flush=True,
         )
     print(f"{kept} of {len(workloads)} kernels tuned faster than their template; logs in {logs}")
+    return 0
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from kiln.bundle import make_bundle
+
+    bundle = make_bundle(
+        Path(args.artifact),
+        args.target,
+        Path(args.output),
+        tvm_wheel=Path(args.tvm_wheel) if args.tvm_wheel else None,
+    )
+    print(
+        f"wrote {bundle.path}: {bundle.target} ({bundle.host_triple}), {sum(bundle.sizes.values()):,} bytes"
+    )
+    for part, size in bundle.sizes.items():
+        print(f"  {part:<18}{size:>14,}")
     return 0
 
 
@@ -643,6 +664,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("artifact")
     verify.add_argument("--target", default=None, help="which of its targets (default: the first that fits)")
     verify.set_defaults(run=_verify)
+
+    bundle = commands.add_parser(
+        "bundle", help="one target of an artifact plus the TVM runtime and kiln, to copy to a device"
+    )
+    bundle.add_argument("artifact")
+    bundle.add_argument("--target", required=True, help="which of its targets, e.g. cuda:sm_87")
+    bundle.add_argument("-o", "--output", required=True, help="a new folder for the bundle")
+    bundle.add_argument(
+        "--tvm-wheel", default=None, help="apache-tvm wheel for the device's machine (default: pip download)"
+    )
+    bundle.set_defaults(run=_bundle)
 
     inspect = commands.add_parser("inspect", help="describe a model or an artifact; --ir prints the IR")
     inspect.add_argument("model")

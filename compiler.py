@@ -30,8 +30,10 @@ from kiln.backends.targets import (
     CUDA_ARCHS,
     FLOAT8_HINT,
     Target,
+    bfloat16_refusal,
     float8_kv_cache_refusal,
     host_gpu_arch,
+    host_machine,
     mismatch,
     parse_targets,
 )
@@ -122,7 +124,7 @@ def plan(backend: str = AUTO, target: str | None = None) -> Plan:
         return Plan("tvm", [Target("cpu")], "no NVIDIA GPU here: TVM for this CPU")
     if arch not in CUDA_ARCHS:
         return Plan("tvm", [Target("cpu")], f"the GPU is {arch}, not one of {', '.join(CUDA_ARCHS)}: TVM CPU")
-    gpu = Target("cuda", arch)
+    gpu = Target("cuda", arch, host_machine())
     reason = get_backend("tvm").unsupported(gpu)
     if reason is not None:
         return Plan("tvm", [Target("cpu")], f"this host cannot build for its GPU ({reason}): TVM CPU")
@@ -187,6 +189,16 @@ def check_tensor_parallel(backend: str, targets: list[Target], world: int) -> No
                 f"tensor parallelism runs on CPU ranks over gloo so far, not on {target.name}",
                 hint="use --target cpu, or --tensor-parallel-size 1 on the GPU",
             )
+
+
+def check_dtype(targets: list[Target], dtype: str | None) -> None:
+    """Refuse at once bfloat16 for GPUs without bfloat16 arithmetic (before sm_80)."""
+    if dtype != "bf16":
+        return
+    for target in targets:
+        refusal = bfloat16_refusal(target)
+        if refusal is not None:
+            raise BackendError(refusal, hint=f"use --dtype f16 for {target.name}")
 
 
 FLOAT8_KV_CACHE_BACKENDS = ("tvm", "reference")

@@ -20,6 +20,7 @@ from kiln.compiler import (
     AUTO,
     CompileOptions,
     OutputError,
+    check_dtype,
     check_kv_cache_dtype,
     check_targets,
     check_tensor_parallel,
@@ -119,6 +120,7 @@ def open_model(
     check_targets(chosen.backend, chosen.targets)
     check_tensor_parallel(chosen.backend, chosen.targets, world)
     check_kv_cache_dtype(chosen.backend, chosen.targets, kv_cache_dtype or "auto", world)
+    check_dtype(chosen.targets, dtype)
     options = CompileOptions(
         backend=chosen.backend,
         quantization=quantization_arg(quantization),

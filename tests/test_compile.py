@@ -75,7 +75,11 @@ def test_compiling_twice_gives_identical_files(
     [
         (["--backend", "reference", "--target", "cuda:sm_90"], "reference backend runs on the CPU"),
         (["--target", "gpu:9000"], "unknown target 'gpu:9000'"),
-        (["--backend", "tvm", "--target", "cpu:nosuchcpu"], "LLVM does not know the CPU 'nosuchcpu'"),
+        (["--backend", "tvm", "--target", "cpu:nosuchcpu"], "LLVM does not know the x86_64 CPU 'nosuchcpu'"),
+        (["--target", "cpu:cortex-a999"], "LLVM does not know the aarch64 CPU 'cortex-a999'"),
+        (["--target", "cpu@riscv64"], "unknown host machine 'riscv64'"),
+        (["--target", "cuda:sm_75", "--dtype", "bf16"], "cuda:sm_75 has no bfloat16 arithmetic"),
+        (["--target", "cuda:sm_72"], "CUDA 13 dropped sm_70 and sm_72"),
         (
             ["--backend", "onnxruntime", "--tensor-parallel-size", "2"],
             "tensor parallelism runs on tvm and reference, not onnxruntime",

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from kiln.backends.base import (
     KVCacheSpec,
     leave_cores_to_compiled_code,
 )
-from kiln.backends.targets import Target
+from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads
 from kiln.ir import Program
@@ -31,6 +32,7 @@ from kiln.ir.types import DTYPE_OF_TORCH
 
 LIBRARY = "step.so"
 DESCRIPTION = "step.json"
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}  # ELF e_machine
 
 
 def _kv_fields(program: Program) -> dict[str, Any]:
@@ -54,15 +56,23 @@ class TVMBackend:
         if target.kind == "cpu" and target.detail is not None:
             from kiln.backends.tvm.cpu import is_valid_mcpu
 
-            if not is_valid_mcpu(target.detail):
-                return f"LLVM does not know the CPU {target.detail!r} (target {target.name})"
+            if not is_valid_mcpu(target.detail, target.triple):
+                return f"LLVM does not know the {target.machine} CPU {target.detail!r} (target {target.name})"
+        compiler = cross_compiler(target)
+        if compiler is not None and shutil.which(compiler) is None:
+            return (
+                f"{target.name}'s host code is for {target.machine}, linked by {compiler}, which this "
+                f"machine does not have (on Debian/Ubuntu: apt-get install gcc-{target.machine}-linux-gnu)"
+            )
         if target.kind == "cuda":
-            from kiln.backends.tvm.cuda import find_nvcc
+            from kiln.backends.tvm.cuda import unsupported_arch
 
             try:
-                find_nvcc()
+                reason = unsupported_arch(str(target.gpu_arch))
             except BackendError as error:
                 return f"{error} (target {target.name})"
+            if reason is not None:
+                return f"{reason} (target {target.name})"
         return None
 
     def compile(
@@ -89,10 +99,11 @@ class TVMBackend:
         )
         origins = dict(lowered.kernel_origins)
         executable = cpu.build_cpu(lowered.module, llvm)
-        executable.export_library(str(folder / LIBRARY))
+        cpu.export(executable, str(folder / LIBRARY), target)
         description = {
             "abi": STEP_ABI,
             "device": "cpu",
+            "host_triple": target.triple,
             "mcpu": cpu.target_mcpu(target),
             "cpu_features": cpu.required_features(llvm),
             "num_threads": settings.num_threads,
@@ -104,7 +115,7 @@ class TVMBackend:
         return CompiledCode(
             [LIBRARY, DESCRIPTION],
             origins,
-            {"mcpu": description["mcpu"], "num_threads": settings.num_threads},
+            {"mcpu": description["mcpu"], "num_threads": settings.num_threads, "host_triple": target.triple},
         )
 
     def _description(self, folder: Path) -> dict[str, Any]:
@@ -122,12 +133,19 @@ class TVMBackend:
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         description = self._description(folder)
+        here = TRIPLES.get(host_machine(), host_machine())
+        built_for = description.get("host_triple", TRIPLES["x86_64"])  # before the field: x86-64 only
+        if built_for != here:
+            raise BackendError(
+                f"{folder}: its host code is for {built_for}, this machine is {here}",
+                hint=f"run it on a {built_for.split('-')[0]} machine, or compile for this one (--target cpu)",
+            )
         if description["device"] == "cpu":
             missing = missing_features(description.get("cpu_features", []))
             if missing:
                 raise BackendError(
-                    f"{folder}: compiled for CPU {description['mcpu']}, which has "
-                    f"{', '.join(missing)}; this CPU does not",
+                    f"{folder}: compiled for CPU {description['mcpu']} ({built_for}), which has "
+                    f"{', '.join(missing)}; this CPU ({here}) does not",
                     hint="compile for this machine (--target cpu) or an older CPU (--target cpu:x86-64-v3)",
                 )
             set_threads(description.get("num_threads"))
@@ -145,9 +163,14 @@ class TVMBackend:
     def check_structure(self, folder: Path, target: Target) -> list[str]:
         description = self._description(folder)
         library = folder / LIBRARY
-        if not library.is_file() or library.read_bytes()[:4] != b"\x7fELF":
+        header = library.read_bytes()[:20] if library.is_file() else b""
+        if header[:4] != b"\x7fELF":
             raise BackendError(f"{library}: not a shared library")
-        lines = [f"{LIBRARY} is an ELF shared library ({library.stat().st_size:,} bytes)"]
+        machine = ELF_MACHINES.get(int.from_bytes(header[18:20], "little"), "an unknown machine")
+        built_for = description.get("host_triple", TRIPLES["x86_64"])
+        if not built_for.startswith(machine):
+            raise BackendError(f"{library}: an ELF for {machine}, but {DESCRIPTION} says {built_for}")
+        lines = [f"{LIBRARY} is an ELF shared library for {machine} ({library.stat().st_size:,} bytes)"]
         lines.append(f"{DESCRIPTION}: {len(description['params'])} weight parameters")
         if target.kind == "cuda":
             from kiln.backends.tvm.cuda import check_cuda_library

@@ -1,4 +1,5 @@
-"""CPU code generation: LLVM targets for this host or another x86 CPU, and the kernels' CPU schedules."""
+"""CPU code generation: LLVM targets for this host or another x86-64 or aarch64 CPU (linked with that
+machine's cross compiler), and the kernels' CPU schedules."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from kiln.backends.targets import Target
+from kiln.backends.targets import Target, cross_compiler, host_machine
 from kiln.backends.tvm.kernels import linear as linear_kernels
 from kiln.backends.tvm.kernels import rowwise
 from kiln.backends.tvm.kernels.int_dot import Isa, choose_isa
-
-TRIPLE = "x86_64-unknown-linux-gnu"
 
 
 def host_mcpu() -> str:
@@ -23,20 +22,31 @@ def host_mcpu() -> str:
 
 
 def target_mcpu(target: Target) -> str:
-    return target.detail or host_mcpu()
+    if target.detail is not None:
+        return target.detail
+    return host_mcpu() if target.machine == host_machine() else "generic"
 
 
-def is_valid_mcpu(mcpu: str) -> bool:
+def is_valid_mcpu(mcpu: str, triple: str) -> bool:
     from tvm.target import codegen
 
-    return bool(codegen.llvm_is_valid_cpu(mcpu, TRIPLE))
+    return bool(codegen.llvm_is_valid_cpu(mcpu, triple))
 
 
 def llvm_target(target: Target, num_threads: int | None = None) -> tvm.target.Target:
     cores = num_threads or os.cpu_count() or 1
     return tvm.target.Target(
-        {"kind": "llvm", "mtriple": TRIPLE, "mcpu": target_mcpu(target), "num-cores": cores}
+        {"kind": "llvm", "mtriple": target.triple, "mcpu": target_mcpu(target), "num-cores": cores}
     )
+
+
+def export(executable: relax.VMExecutable, path: str, target: Target) -> None:
+    """step.so, linked by this machine's compiler or the target machine's cross compiler."""
+    from tvm.support import cc
+
+    compiler = cross_compiler(target)
+    fcompile = cc.cross_compiler(compiler) if compiler is not None else None
+    executable.export_library(path, fcompile=fcompile)
 
 
 def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[tirx.PrimFunc, str]:
@@ -68,11 +78,12 @@ def build_cpu(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecut
 
 
 def required_features(target: tvm.target.Target) -> list[str]:
-    """The checked x86 features the target's code may use (see cpu_features.py)."""
-    from kiln.backends.tvm.cpu_features import CHECKED_FEATURES
+    """The checked CPU features the target's code may use (see cpu_features.py)."""
+    from kiln.backends.tvm.cpu_features import checked_features
 
     enabled = llvm_features(target)
-    return [name for name, llvm_name in CHECKED_FEATURES.items() if llvm_name in enabled]
+    machine = "aarch64" if str(target.attrs["mtriple"]).startswith("aarch64") else "x86_64"
+    return [name for name, llvm_name in checked_features(machine).items() if llvm_name in enabled]
 
 
 def llvm_features(target: tvm.target.Target) -> set[str]:

@@ -1,11 +1,12 @@
-"""Which x86 features a CPU artifact needs, and whether this CPU has them (read without LLVM)."""
+"""Which x86-64 or aarch64 features a CPU artifact needs, and whether this CPU has them (read without
+LLVM)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 # The features whose absence means SIGILL: /proc/cpuinfo's name -> LLVM's name.
-CHECKED_FEATURES = {
+X86_64_FEATURES = {
     "sse4_2": "sse4.2",
     "avx": "avx",
     "avx2": "avx2",
@@ -18,6 +19,19 @@ CHECKED_FEATURES = {
     "avx512_vnni": "avx512vnni",
     "avx_vnni": "avxvnni",
 }
+AARCH64_FEATURES = {
+    "asimd": "neon",
+    "asimdhp": "fullfp16",
+    "asimddp": "dotprod",
+    "i8mm": "i8mm",
+    "bf16": "bf16",
+    "sve": "sve",
+    "sve2": "sve2",
+}
+
+
+def checked_features(machine: str) -> dict[str, str]:
+    return AARCH64_FEATURES if machine == "aarch64" else X86_64_FEATURES
 
 
 def host_flags() -> set[str]:
@@ -26,7 +40,7 @@ def host_flags() -> set[str]:
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):  # x86-64, aarch64
             return set(line.split(":", 1)[1].split())
     return set()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
-from kiln.backends.targets import FLOAT8_HINT, Target, float8_kv_cache_refusal
+from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
 from kiln.ir import Program, graph_to_json
@@ -56,6 +56,29 @@ def find_nvcc() -> Path:
     raise BackendError(
         "tvm: CUDA targets need nvcc (the CUDA toolkit) on this machine; none was found",
         hint="install the CUDA toolkit (13.0 was used) or set CUDA_HOME",
+    )
+
+
+def nvcc_archs(nvcc_path: Path) -> list[str]:
+    """The sm_XX this nvcc compiles for (`--list-gpu-arch`: compute_XX lines)."""
+    try:
+        listed = subprocess.run(
+            [str(nvcc_path), "--list-gpu-arch"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["sm_" + line.strip().removeprefix("compute_") for line in listed.split() if line.strip()]
+
+
+def unsupported_arch(arch: str) -> str | None:
+    """Why this machine's nvcc cannot build `arch` (CUDA 13 dropped Volta and Xavier), None if it can."""
+    nvcc_path = find_nvcc()
+    archs = nvcc_archs(nvcc_path)
+    if arch in archs:
+        return None
+    return (
+        f"nvcc at {nvcc_path} does not compile for {arch} (it lists {', '.join(archs) or 'nothing'}); "
+        "CUDA 13 dropped sm_70 and sm_72, so those need a CUDA 12 toolkit first on PATH or in CUDA_HOME"
     )
 
 
@@ -99,14 +122,17 @@ def build_environment(stub: Path, nvcc_path: Path) -> dict[str, str]:
     return env
 
 
-def run_build(program: Program, arch: str, folder: Path, *, ptx: bool) -> dict[str, Any]:
+def run_build(program: Program, target: Target, folder: Path, *, ptx: bool) -> dict[str, Any]:
     """Run cuda_build in its own process; its result JSON."""
+    arch = target.gpu_arch
     nvcc_path = find_nvcc()
     env = build_environment(build_stub(), nvcc_path)
     with tempfile.TemporaryDirectory(prefix="kiln-cuda-") as scratch:
         request = {
             "graph": str(Path(scratch) / "graph.json"),
             "arch": arch,
+            "host_triple": target.triple,
+            "cross_compiler": cross_compiler(target),
             "out": str(folder),
             "ptx": ptx,
             "result": str(Path(scratch) / "result.json"),
@@ -150,7 +176,7 @@ def compile_cuda(
         if refusal is not None:
             raise BackendError(refusal, hint=FLOAT8_HINT)
     folder.mkdir(parents=True, exist_ok=True)
-    result = run_build(program, arch, folder, ptx=ptx)
+    result = run_build(program, target, folder, ptx=ptx)
     code = check_cuda_library(folder / LIBRARY, target)
     graphs = {
         "enabled": cuda_graph,
@@ -161,6 +187,7 @@ def compile_cuda(
         "abi": STEP_ABI,
         "device": "cuda",
         "gpu_arch": arch,
+        "host_triple": target.triple,
         "device_code": {
             "sass": arch,
             "ptx": f"compute_{arch[3:]}" if ptx else None,
@@ -177,6 +204,7 @@ def compile_cuda(
         dict(result["kernels"]),
         {
             "gpu_arch": arch,
+            "host_triple": target.triple,
             "device_code": code,
             "cuda_graph": {"enabled": cuda_graph},
             "cuda_graph_buckets": list(DECODE_BUCKETS) if cuda_graph else [],

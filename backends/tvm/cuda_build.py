@@ -26,7 +26,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.support import nvcc
+from tvm.support import cc, nvcc
 
 from kiln.backends.base import BackendError
 from kiln.backends.tvm.lowering import lower_graph
@@ -209,7 +209,8 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     nvcc_calls: list[dict[str, Any]] = []
     _register_nvcc(arch, bool(request["ptx"]), nvcc_calls)
     graph = graph_from_json(json.loads(Path(request["graph"]).read_text()))
-    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
+    host = {"kind": "llvm", "mtriple": request["host_triple"]}
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
     start = time.perf_counter()
     with target:
         lowered = lower_graph(graph, "cuda", schedule_gpu, decode=True, decode_kernels=decode_gemv)
@@ -251,7 +252,10 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         times["codegen_and_nvcc"] = time.perf_counter() - start
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    executable.export_library(str(out / "step.so"))
+    compiler = request["cross_compiler"]
+    executable.export_library(
+        str(out / "step.so"), fcompile=cc.cross_compiler(compiler) if compiler is not None else None
+    )
     times["export"] = time.perf_counter() - start
     times["nvcc"] = sum(call["seconds"] for call in nvcc_calls)
     if not nvcc_calls:

@@ -35,6 +35,10 @@ _cuda_runtime_loaded = False
 
 
 def tvm_library_dir() -> Path:
+    """$KILN_TVM_LIBRARY_DIR (a deploy bundle's lib/, see docs/deploy.md), else apache-tvm's lib/."""
+    bundled = os.environ.get("KILN_TVM_LIBRARY_DIR")
+    if bundled:
+        return Path(bundled)
     spec = importlib.util.find_spec("tvm")
     if spec is None or not spec.submodule_search_locations:
         raise BackendError(
@@ -88,6 +92,21 @@ def _pad_rows(tensor: torch.Tensor, fill: int, minimum: int = ROW_BLOCK) -> torc
     padded = torch.full((rows,), fill, dtype=tensor.dtype, device=tensor.device)
     padded[: tensor.shape[0]] = tensor
     return padded.reshape(-1, ROW_BLOCK)
+
+
+def step_tensors(inputs: StepInputs) -> list[torch.Tensor]:
+    """The compiled function's input tensors before the cache (rows padded), then `row_counts`."""
+    num_logits = inputs.logits_indices.shape[0]
+    return [
+        _pad_rows(inputs.token_ids, 0),
+        _pad_rows(inputs.positions, 0),
+        _pad_rows(inputs.slot_mapping, -1),
+        aligned(inputs.block_tables),
+        aligned(inputs.seq_lens),
+        aligned(inputs.query_start_loc),
+        _pad_rows(inputs.logits_indices, 0),
+        torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64),
+    ]
 
 
 class TVMExecutable:
@@ -145,18 +164,7 @@ class TVMExecutable:
         return aligned(tensor.to(self.device))
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
-        """The compiled function's input tensors before the cache (rows padded), then `row_counts`."""
-        num_logits = inputs.logits_indices.shape[0]
-        return [
-            _pad_rows(inputs.token_ids, 0),
-            _pad_rows(inputs.positions, 0),
-            _pad_rows(inputs.slot_mapping, -1),
-            aligned(inputs.block_tables),
-            aligned(inputs.seq_lens),
-            aligned(inputs.query_start_loc),
-            _pad_rows(inputs.logits_indices, 0),
-            torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64),
-        ]
+        return step_tensors(inputs)
 
     def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`step_tensors`' host tensors on the executable's device, in one copy (staging.py)."""

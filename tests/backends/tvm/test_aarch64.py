@@ -1,0 +1,139 @@
+"""aarch64 artifacts built on this x86-64 machine: a `cpu:cortex-a76` build of the tiny Llama runs one
+step under qemu-aarch64 (Debian's arm64 Python with numpy, tvm_ffi and libtvm_runtime.so only, made by
+scripts/aarch64_python.sh) and matches the reference interpreter; loading it here is refused naming both
+triples; `cuda:sm_87`'s step.so is an aarch64 ELF carrying sm_87 SASS."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.backends.base import BackendError, CompileSettings, KVCacheSpec
+from kiln.backends.reference import ReferenceExecutable
+from kiln.backends.targets import Target
+from kiln.backends.tvm.backend import TVMBackend
+from kiln.backends.tvm.executable import step_tensors
+from kiln.backends.tvm.layouts import apply_layout
+from kiln.build import PipelineOptions, optimize
+from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+
+BLOCK_SIZE = 16
+A76 = Target.parse("cpu:cortex-a76")
+# max |emulated aarch64 - reference| / max |reference|: float32 as on x86; quantized linears take
+# int8 activations through sdot (kernels/int_dot.py), as the x86 int-dot kernels do.
+TOLERANCE = {None: 1e-4, "int8": 1e-3, "int4": 1e-3}
+SCRIPT = Path(__file__).with_name("emulated_step.py")
+
+
+def _sysroot() -> Path:
+    return Path(os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python"))
+
+
+def _missing_for_emulation() -> str | None:
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        return "no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu)"
+    if shutil.which("qemu-aarch64") is None:
+        return "no qemu-aarch64 (apt-get install qemu-user)"
+    if not (_sysroot() / "run").is_file():
+        return f"no aarch64 Python at {_sysroot()} (run scripts/aarch64_python.sh)"
+    return None
+
+
+def _elf_machine(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[18:20], "little")  # e_machine: 183 aarch64, 62 x86-64
+
+
+def _program(tiny_llama, quantization: str | None):
+    config, weights = tiny_llama
+    return optimize(config, weights, PipelineOptions(opt_level=2, quantization=quantization)).program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_cortex_a76_step_under_qemu_matches_the_reference(
+    quantization: str | None, tiny_llama, tmp_path: Path
+) -> None:
+    missing = _missing_for_emulation()
+    if missing is not None:
+        pytest.skip(missing)
+    program = _program(tiny_llama, quantization)
+    code = TVMBackend().compile(program, A76, tmp_path / "a76", CompileSettings())
+    description = json.loads((tmp_path / "a76" / "step.json").read_text())
+    assert description["host_triple"] == "aarch64-unknown-linux-gnu"
+    assert {"asimd", "asimddp"} <= set(description["cpu_features"])
+    assert _elf_machine(tmp_path / "a76" / "step.so") == 183
+    if quantization is not None:
+        assert any(name.startswith("qdot_neon_dot") for name in code.kernels), code.kernels
+
+    prompt = torch.randint(3, 90, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    inputs = build_step_inputs([SequenceSlice(prompt, 0, [1, 0])], BLOCK_SIZE)
+    spec = KVCacheSpec.of_graph(program.graph)
+    reference = ReferenceExecutable(program.graph, program.weights)
+    expected = reference.step(inputs, spec.allocate(2, BLOCK_SIZE))
+    *tensors, row_counts = step_tensors(inputs)
+    arrays = {f"input_{i}": t.numpy() for i, t in enumerate(tensors)}
+    arrays["row_counts"] = row_counts.numpy()
+    arrays["kv_cache"] = spec.allocate(2, BLOCK_SIZE).numpy()
+    for i, param in enumerate(description["params"]):
+        arrays[f"weight_{i}"] = apply_layout(param["transform"], program.weights[param["source"]]).numpy()
+    np.savez(tmp_path / "inputs.npz", **arrays)
+
+    done = subprocess.run(
+        [
+            str(_sysroot() / "run"),
+            str(SCRIPT),
+            str(_sysroot() / "site-packages" / "tvm" / "lib"),
+            str(tmp_path / "a76" / "step.so"),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "logits.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = torch.from_numpy(np.load(tmp_path / "logits.npy"))[: expected.shape[0]]
+    error = float((ours - expected).abs().max() / expected.abs().max())
+    assert error < TOLERANCE[quantization], error
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64-linux-gnu-gcc")
+def test_an_aarch64_build_is_refused_here_naming_both_triples(tiny_llama, tmp_path: Path) -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("the refusal is of an aarch64 build on an x86-64 machine")
+    program = _program(tiny_llama, None)
+    backend = TVMBackend()
+    backend.compile(program, A76, tmp_path / "a76", CompileSettings())
+    with pytest.raises(BackendError) as refused:
+        backend.load(tmp_path / "a76", program.weights, A76)
+    message = str(refused.value)
+    assert "aarch64-unknown-linux-gnu" in message and "x86_64-unknown-linux-gnu" in message
+    assert "for aarch64" in "\n".join(backend.check_structure(tmp_path / "a76", A76))
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64-linux-gnu-gcc")
+def test_orin_build_is_aarch64_host_code_with_sm_87_sass(tiny_llama, tmp_path: Path) -> None:
+    from kiln.backends.tvm.cuda import find_nvcc
+
+    try:
+        find_nvcc()
+    except BackendError as error:
+        pytest.skip(str(error))
+    orin = Target.parse("cuda:sm_87")
+    program = _program(tiny_llama, "int4")
+    code = TVMBackend().compile(program, orin, tmp_path / "orin", CompileSettings())
+    library = tmp_path / "orin" / "step.so"
+    assert _elf_machine(library) == 183
+    assert json.loads((tmp_path / "orin" / "step.json").read_text())["host_triple"] == orin.triple
+    lines = TVMBackend().check_structure(tmp_path / "orin", orin)
+    assert any("carries a cubin for sm_87" in line for line in lines), lines
+    assert code.manifest["host_triple"] == "aarch64-unknown-linux-gnu"
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
+    assert "NEEDED" not in needed or "libc.so.6" in needed  # nothing JetPack lacks
