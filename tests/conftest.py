@@ -399,3 +399,29 @@ def _hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int, eos_ids: tupl
 @pytest.fixture(scope="session")
 def hf_greedy() -> Any:
     return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight transformers Llama with a word-level tokenizer, saved as a model folder."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path_factory.mktemp("tiny_hf")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 64)}}
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    ).save_pretrained(path)
+    return path
