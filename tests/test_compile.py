@@ -79,7 +79,6 @@ def test_compiling_twice_gives_identical_files(
         (["--target", "cpu:cortex-a999"], "LLVM does not know the aarch64 CPU 'cortex-a999'"),
         (["--target", "cpu@riscv64"], "unknown host machine 'riscv64'"),
         (["--target", "cuda:sm_75", "--dtype", "bf16"], "cuda:sm_75 has no bfloat16 arithmetic"),
-        (["--target", "cuda:sm_72"], "CUDA 13 dropped sm_70 and sm_72"),
         (
             ["--backend", "onnxruntime", "--tensor-parallel-size", "2"],
             "tensor parallelism runs on tvm and reference, not onnxruntime",
@@ -100,6 +99,16 @@ def test_impossible_requests_exit_2_at_once(tmp_path: Path, args: list[str], mes
     result = kiln("compile", "smollm2-135m-instruct", *args, "-o", str(tmp_path / "out"))
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_xavier_without_a_cuda_12_compiler_is_refused_naming_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KILN_CUDA12_NVRTC", str(tmp_path / "no-nvrtc"))
+    result = kiln("compile", "smollm2-135m-instruct", "--target", "cuda:sm_72", "-o", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "CUDA 13 dropped sm_70 and sm_72: run scripts/cuda12_nvrtc.sh" in result.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -70,16 +70,36 @@ def nvcc_archs(nvcc_path: Path) -> list[str]:
     return ["sm_" + line.strip().removeprefix("compute_") for line in listed.split() if line.strip()]
 
 
+NVRTC12_ARCHS = ("sm_70", "sm_72")  # dropped by CUDA 13; NVRTC 12 still compiles them
+
+
+def nvrtc12_home() -> Path:
+    """Where scripts/cuda12_nvrtc.sh put CUDA 12's NVRTC and headers ($KILN_CUDA12_NVRTC overrides)."""
+    default = Path(os.environ.get("KILN_HOME", "~/.cache/kiln")).expanduser() / "cuda12-nvrtc"
+    return Path(os.environ.get("KILN_CUDA12_NVRTC", default))
+
+
+def device_compiler(arch: str) -> str | None:
+    """ "nvcc" (a fatbin with SASS and PTX), "nvrtc12" (a cubin, for the archs CUDA 13 dropped), or None."""
+    if arch in nvcc_archs(find_nvcc()):
+        return "nvcc"
+    if arch in NVRTC12_ARCHS and (nvrtc12_home() / "include" / "cuda_runtime.h").is_file():
+        return "nvrtc12"
+    return None
+
+
 def unsupported_arch(arch: str) -> str | None:
-    """Why this machine's nvcc cannot build `arch` (CUDA 13 dropped Volta and Xavier), None if it can."""
-    nvcc_path = find_nvcc()
-    archs = nvcc_archs(nvcc_path)
-    if arch in archs:
+    """Why this machine cannot build device code for `arch`, None if it can."""
+    if device_compiler(arch) is not None:
         return None
-    return (
-        f"nvcc at {nvcc_path} does not compile for {arch} (it lists {', '.join(archs) or 'nothing'}); "
-        "CUDA 13 dropped sm_70 and sm_72, so those need a CUDA 12 toolkit first on PATH or in CUDA_HOME"
-    )
+    nvcc_path = find_nvcc()
+    reason = f"nvcc at {nvcc_path} does not compile for {arch} (it lists {', '.join(nvcc_archs(nvcc_path))})"
+    if arch in NVRTC12_ARCHS:
+        reason += (
+            f"; CUDA 13 dropped sm_70 and sm_72: run scripts/cuda12_nvrtc.sh (CUDA 12's NVRTC from PyPI, "
+            f"looked for at {nvrtc12_home()}) or put a CUDA 12 nvcc first on PATH"
+        )
+    return reason
 
 
 def _cache_dir() -> Path:
@@ -109,8 +129,15 @@ def build_stub() -> Path:
     return folder
 
 
-def build_environment(stub: Path, nvcc_path: Path) -> dict[str, str]:
+def build_environment(stub: Path, nvcc_path: Path, compiler: str = "nvcc") -> dict[str, str]:
     env = dict(os.environ)
+    if compiler == "nvrtc12":  # cuda-bindings 12 and libnvrtc.so.12 first; CUDA 12 headers for NVRTC
+        home = nvrtc12_home()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(home / "site"), env.get("PYTHONPATH")]))
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(home / "site" / "nvidia" / "cuda_nvrtc" / "lib"), env.get("LD_LIBRARY_PATH")])
+        )
+        env["CUDA_PATH"] = str(home)
     cuda_home = nvcc_path.resolve().parent.parent
     libraries = [str(stub)] + [str(p) for p in (cuda_home / "lib64", cuda_home / "lib") if p.is_dir()]
     if env.get("LD_LIBRARY_PATH"):
@@ -124,13 +151,16 @@ def build_environment(stub: Path, nvcc_path: Path) -> dict[str, str]:
 
 def run_build(program: Program, target: Target, folder: Path, *, ptx: bool) -> dict[str, Any]:
     """Run cuda_build in its own process; its result JSON."""
-    arch = target.gpu_arch
-    nvcc_path = find_nvcc()
-    env = build_environment(build_stub(), nvcc_path)
+    arch = str(target.gpu_arch)
+    compiler = device_compiler(arch)
+    if compiler is None:
+        raise BackendError(f"tvm: {unsupported_arch(arch)}")
+    env = build_environment(build_stub(), find_nvcc(), compiler)
     with tempfile.TemporaryDirectory(prefix="kiln-cuda-") as scratch:
         request = {
             "graph": str(Path(scratch) / "graph.json"),
             "arch": arch,
+            "device_compiler": compiler,
             "host_triple": target.triple,
             "cross_compiler": cross_compiler(target),
             "out": str(folder),
@@ -190,7 +220,7 @@ def compile_cuda(
         "host_triple": target.triple,
         "device_code": {
             "sass": arch,
-            "ptx": f"compute_{arch[3:]}" if ptx else None,
+            "ptx": f"compute_{arch[3:]}" if result["ptx"] else None,
             "nvcc": result["nvcc_flags"],
         },
         "params": result["params"],
@@ -295,7 +325,8 @@ def check_cuda_library(library: Path, target: Target) -> list[str]:
     if others:
         raise BackendError(f"{library.name} for {arch} also carries cubins for {', '.join(others)}")
     sizes = sum(e.size for e in entries if e.kind == "cubin" and e.arch == arch)
-    lines = [f"{library.name} carries a cubin for {arch} ({sizes:,} bytes of SASS in a fatbin)"]
+    where = f"{sizes:,} bytes of SASS in a fatbin" if sizes else "a bare cubin, as NVRTC makes it"
+    lines = [f"{library.name} carries a cubin for {arch} ({where})"]
     if ptx:
         lines.append(f"{library.name} carries PTX for compute_{ptx[0][3:]} (JIT for newer GPUs)")
     return lines

@@ -165,17 +165,24 @@ def decode_gemv(
     return None
 
 
-def _register_nvcc(arch: str, ptx: bool, calls: list[dict[str, Any]]) -> None:
-    """nvcc → fatbin with SASS for `arch` (and its PTX, so newer GPUs can JIT it)."""
+def _register_device_compiler(arch: str, compiler: str, ptx: bool, calls: list[dict[str, Any]]) -> None:
+    """nvcc → fatbin with SASS for `arch` (and its PTX, so newer GPUs can JIT it); nvrtc12 (CUDA 12's
+    NVRTC, for the archs CUDA 13 dropped) → a cubin with SASS only."""
     suffix = arch.removeprefix("sm_")
-    flags = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
-    if ptx:
-        flags += ["-gencode", f"arch=compute_{suffix},code=compute_{suffix}"]
+    if compiler == "nvrtc12":
+        flags = ["nvrtc12", f"--gpu-architecture={arch}"]
+    else:
+        flags = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
+        if ptx:
+            flags += ["-gencode", f"arch=compute_{suffix},code=compute_{suffix}"]
 
     @tvm_ffi.register_global_func("tvm_callback_cuda_compile", override=True)
     def _compile(code: str) -> bytearray:
         start = time.perf_counter()
-        binary = nvcc.compile_cuda(code, target_format="fatbin", arch=flags, compiler="nvcc")
+        if compiler == "nvrtc12":
+            binary = nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
+        else:
+            binary = nvcc.compile_cuda(code, target_format="fatbin", arch=flags, compiler="nvcc")
         calls.append({"seconds": time.perf_counter() - start, "bytes": len(binary), "flags": flags})
         return binary
 
@@ -207,7 +214,9 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         )
     times: dict[str, float] = {}
     nvcc_calls: list[dict[str, Any]] = []
-    _register_nvcc(arch, bool(request["ptx"]), nvcc_calls)
+    compiler = request["device_compiler"]
+    with_ptx = bool(request["ptx"]) and compiler == "nvcc"
+    _register_device_compiler(arch, compiler, with_ptx, nvcc_calls)
     graph = graph_from_json(json.loads(Path(request["graph"]).read_text()))
     host = {"kind": "llvm", "mtriple": request["host_triple"]}
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
@@ -252,9 +261,9 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         times["codegen_and_nvcc"] = time.perf_counter() - start
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    compiler = request["cross_compiler"]
+    linker = request["cross_compiler"]
     executable.export_library(
-        str(out / "step.so"), fcompile=cc.cross_compiler(compiler) if compiler is not None else None
+        str(out / "step.so"), fcompile=cc.cross_compiler(linker) if linker is not None else None
     )
     times["export"] = time.perf_counter() - start
     times["nvcc"] = sum(call["seconds"] for call in nvcc_calls)
@@ -265,6 +274,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         "kernels": {**fused, **lowered.kernel_origins},
         "functions": lowered.functions,
         "nvcc_flags": nvcc_calls[-1]["flags"],
+        "ptx": with_ptx,
         "seconds": times,
     }
 

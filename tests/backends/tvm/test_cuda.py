@@ -73,6 +73,26 @@ def test_quantized_models_compile_for_ampere_and_hopper(
         assert set(step.values()) - set(decode.values()) == {"templated (GPU tiled GEMM)"}, code.kernels
 
 
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_70", "sm_72", "sm_75"])
+def test_older_gpus_compile_in_float16_with_quantized_linears(
+    arch: str, tmp_path: Path, make_tiny_program
+) -> None:
+    compiler = cuda.device_compiler(arch)
+    if compiler is None:
+        pytest.skip(str(cuda.unsupported_arch(arch)))
+    program = make_tiny_program("llama", tmp_path / "hf")
+    options = PassOptions(quantization="int4", dtype="f16")
+    quantized = PassManager(pipeline(2, options)).run(program, options)[0]
+    target = Target.parse(f"cuda:{arch}")
+    cuda.compile_cuda(quantized, target, tmp_path / arch, CompileSettings())
+    lines = cuda.check_cuda_library(tmp_path / arch / cuda.LIBRARY, target)
+    assert lines[0].startswith(f"step.so carries a cubin for {arch}"), lines
+    description = json.loads((tmp_path / arch / cuda.DESCRIPTION).read_text())
+    assert description["host_triple"] == target.triple  # sm_72: Xavier, aarch64
+    assert description["device_code"]["nvcc"][0] == ("nvrtc12" if compiler == "nvrtc12" else "-gencode")
+
+
 # the tiny transformers models (tests/backends/conftest.py) beyond Llama's
 NEW_FAMILIES = ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmoe"]
 
@@ -146,10 +166,13 @@ def test_a_gpu_of_another_arch_is_refused_naming_both(monkeypatch) -> None:
     from kiln.backends import targets
     from kiln.runtime.artifact import ArtifactError, choose_target
 
-    manifest = {"targets": {"cuda:sm_87": {}, "cuda:sm_90": {}}}
+    manifest = {"targets": {"cuda:sm_87@x86_64": {}, "cuda:sm_90": {}}}
     monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_86")
     with pytest.raises(ArtifactError, match=r"sm_87.*sm_86.*sm_90.*sm_86"):
         choose_target(manifest, None)
+    monkeypatch.setattr(targets, "host_machine", lambda: "x86_64")
+    with pytest.raises(ArtifactError, match=r"for aarch64-unknown-linux-gnu \(target cuda:sm_87\)"):
+        choose_target({"targets": {"cuda:sm_87": {}}}, None)  # Orin's host code is aarch64
     monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_90")
     assert choose_target(manifest, None) == Target("cuda", "sm_90")
 
@@ -211,7 +234,9 @@ def test_loading_on_another_gpu_is_refused(smollm2_cuda: Path, monkeypatch) -> N
     from kiln.runtime.artifact import ArtifactError, load_artifact
 
     monkeypatch.setattr(targets, "host_gpu_arch", lambda: "sm_80")
-    with pytest.raises(ArtifactError, match=r"for sm_87 but this machine's GPU is sm_80.*for sm_90"):
+    with pytest.raises(
+        ArtifactError, match=r"aarch64-unknown-linux-gnu.*for sm_90 but this machine's GPU is sm_80"
+    ):
         load_artifact(smollm2_cuda)
 
 
