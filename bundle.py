@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.targets import Target, TargetError, host_machine
+from kiln.backends.tvm.executable import TVM_VERSION_FILE
 from kiln.errors import KilnError
 from kiln.runtime import artifact as fmt
 
@@ -40,7 +41,6 @@ RUNTIME_PACKAGES = (
     "uvicorn",
     "prometheus_client",
     "httpx",
-    "psutil",
 )
 WHEEL_PLATFORMS = {"aarch64": "manylinux_2_28_aarch64", "x86_64": "manylinux_2_28_x86_64"}
 
@@ -94,6 +94,7 @@ def _tvm_wheel(machine: str, cache: Path) -> Path:
 def _copy_runtime(target: Target, lib: Path, wheel: Path | None, cache: Path) -> str:
     """lib/ filled with the target machine's runtime libraries; where they came from."""
     lib.mkdir(parents=True)
+    (lib / TVM_VERSION_FILE).write_text(metadata.version("apache-tvm") + "\n")
     names = runtime_libraries(target)
     if wheel is None and target.machine == host_machine():
         from kiln.backends.tvm.executable import tvm_library_dir

@@ -81,6 +81,9 @@ if [[ "$(cat "$root/.spec" 2>/dev/null)" != "$spec" ]]; then
 fi
 
 write_runner "$root"
+# The version beside libtvm_runtime.so, as a kiln bundle's lib/ records it (apache-tvm is not installed).
+tvm="$(grep -o 'apache-tvm==[^ ]*' <<<"${wheels[*]}")"
+echo "${tvm#*==}" >"$root/site-packages/tvm/lib/apache-tvm.version"
 
 "$root/run" -c '
 import platform, numpy, tvm_ffi

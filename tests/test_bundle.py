@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,15 @@ from kiln.bundle import BundleError, make_bundle
 # Runs `kiln generate` of an artifact with the compiler's packages made unimportable.
 WITHOUT_COMPILER = """
 import sys
+from importlib import metadata
 for name in ("tvm", "onnx", "onnxruntime", "xgboost", "transformers"):
     sys.modules[name] = None
+installed_version = metadata.version
+def version(name):  # the device has no apache-tvm package: its version comes from the bundle's lib/
+    if name == "apache-tvm":
+        raise metadata.PackageNotFoundError(name)
+    return installed_version(name)
+metadata.version = version
 from kiln.cli import main
 sys.exit(main(["generate", sys.argv[1], *sys.argv[2:]]))
 """
@@ -59,6 +67,7 @@ def test_a_cpu_bundle_runs_without_the_compiler(two_target_artifact: Path, tmp_p
     (wheel,) = (bundle.path / "wheels").glob("kiln-*.whl")
     assert "kiln/bundle.py" in zipfile.ZipFile(wheel).namelist()
     assert "apache-tvm-ffi==" in (bundle.path / "requirements.txt").read_text()
+    assert (bundle.path / "lib" / "apache-tvm.version").read_text().strip() == metadata.version("apache-tvm")
     recorded = json.loads((bundle.path / "bundle.json").read_text())
     assert recorded["bytes"] == bundle.sizes and recorded["target"] == "cpu"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from kiln.backends.base import (
 )
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
-from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads
+from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads, tvm_version
 from kiln.ir import Program
 from kiln.ir.types import DTYPE_OF_TORCH
 
@@ -50,7 +49,7 @@ class TVMBackend:
     name = "tvm"
 
     def version(self) -> str:
-        return f"tvm-{metadata.version('apache-tvm')}"
+        return f"tvm-{tvm_version()}"
 
     def unsupported(self, target: Target) -> str | None:
         if target.kind == "cpu" and target.detail is not None:
@@ -146,7 +145,8 @@ class TVMBackend:
                 raise BackendError(
                     f"{folder}: compiled for CPU {description['mcpu']} ({built_for}), which has "
                     f"{', '.join(missing)}; this CPU ({here}) does not",
-                    hint="compile for this machine (--target cpu) or an older CPU (--target cpu:x86-64-v3)",
+                    hint="compile for this machine (--target cpu) or an older CPU (--target "
+                    + ("cpu:x86-64-v3)" if built_for.startswith("x86_64") else "cpu@aarch64)"),
                 )
             set_threads(description.get("num_threads"))
             leave_cores_to_compiled_code()

@@ -3,6 +3,8 @@ LLVM)."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from pathlib import Path
 
 # The features whose absence means SIGILL: /proc/cpuinfo's name -> LLVM's name.
@@ -34,13 +36,36 @@ def checked_features(machine: str) -> dict[str, str]:
     return AARCH64_FEATURES if machine == "aarch64" else X86_64_FEATURES
 
 
+# aarch64 features from the kernel's hardware capabilities (getauxval), by (AT_HWCAP or AT_HWCAP2, bit):
+# /proc/cpuinfo's names, and right where /proc/cpuinfo is not the CPU's (qemu-user shows the host's).
+AT_HWCAP, AT_HWCAP2 = 16, 26
+AARCH64_HWCAPS = {
+    "asimd": (AT_HWCAP, 1),
+    "asimdhp": (AT_HWCAP, 10),
+    "asimddp": (AT_HWCAP, 20),
+    "sve": (AT_HWCAP, 22),
+    "sve2": (AT_HWCAP2, 1),
+    "i8mm": (AT_HWCAP2, 13),
+    "bf16": (AT_HWCAP2, 14),
+}
+
+
+def aarch64_flags() -> set[str]:
+    libc = ctypes.CDLL(None)
+    libc.getauxval.restype = ctypes.c_ulong
+    libc.getauxval.argtypes = [ctypes.c_ulong]
+    return {name for name, (at, bit) in AARCH64_HWCAPS.items() if libc.getauxval(at) >> bit & 1}
+
+
 def host_flags() -> set[str]:
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return aarch64_flags()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):  # x86-64, aarch64
+        if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,24 @@ def tvm_library_dir() -> Path:
             "the TVM runtime is not installed", hint="pip install apache-tvm (see docs/tvm.md)"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+TVM_VERSION_FILE = "apache-tvm.version"  # in a deploy bundle's lib/, written by kiln bundle
+
+
+def tvm_version() -> str:
+    """apache-tvm's version: its package metadata, else the bundle's record beside libtvm_runtime.so."""
+    try:
+        return metadata.version("apache-tvm")
+    except metadata.PackageNotFoundError:
+        recorded = tvm_library_dir() / TVM_VERSION_FILE
+        if not recorded.is_file():
+            raise BackendError(
+                "the TVM runtime's version is unknown: apache-tvm is not installed and "
+                f"{recorded} does not exist",
+                hint="pip install apache-tvm, or set KILN_TVM_LIBRARY_DIR to a kiln bundle's lib/",
+            ) from None
+        return recorded.read_text().strip()
 
 
 def load_runtime() -> Any:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,3 +50,47 @@ def smollm2_q4_1(smollm2_gguf_path: Path):
     from kiln.build import PipelineOptions, build_reference
 
     return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=2, quantization="gguf"))
+
+
+AARCH64_PYTHON = Path(
+    os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python")
+)
+EMULATED_RUN = Path(__file__).with_name("emulated_run.py")
+
+
+def missing_for_aarch64_emulation() -> str | None:
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        return "no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu)"
+    if shutil.which("qemu-aarch64") is None:
+        return "no qemu-aarch64 (apt-get install qemu-user)"
+    if not (AARCH64_PYTHON / "run").is_file():
+        return f"no aarch64 Python at {AARCH64_PYTHON} (run scripts/aarch64_python.sh)"
+    return None
+
+
+@pytest.fixture
+def aarch64_python() -> Path:
+    """The emulated aarch64 Python's folder (its `run` starts it); skips, naming what is missing."""
+    missing = missing_for_aarch64_emulation()
+    if missing is not None:
+        pytest.skip(missing)
+    return AARCH64_PYTHON
+
+
+@pytest.fixture
+def run_aarch64(tmp_path: Path, aarch64_python: Path) -> Callable[[list[dict[str, Any]]], None]:
+    """Runs emulated_run.py's jobs under qemu-aarch64."""
+
+    def run(jobs: list[dict[str, Any]]) -> None:
+        (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+        library_dir = AARCH64_PYTHON / "site-packages" / "tvm" / "lib"
+        command = [
+            str(AARCH64_PYTHON / "run"),
+            str(EMULATED_RUN),
+            str(library_dir),
+            str(tmp_path / "jobs.json"),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return run

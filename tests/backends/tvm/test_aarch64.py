@@ -9,15 +9,17 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import kiln as kiln_package
 from kiln.backends.base import BackendError, CompileSettings, KVCacheSpec
 from kiln.backends.reference import ReferenceExecutable
-from kiln.backends.targets import Target
+from kiln.backends.targets import Target, host_machine
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.layouts import apply_layout
@@ -29,21 +31,6 @@ A76 = Target.parse("cpu:cortex-a76")
 # max |emulated aarch64 - reference| / max |reference|: float32 as on x86; quantized linears take
 # int8 activations through sdot (kernels/int_dot.py), as the x86 int-dot kernels do.
 TOLERANCE = {None: 1e-4, "int8": 1e-3, "int4": 1e-3}
-SCRIPT = Path(__file__).with_name("emulated_step.py")
-
-
-def _sysroot() -> Path:
-    return Path(os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python"))
-
-
-def _missing_for_emulation() -> str | None:
-    if shutil.which("aarch64-linux-gnu-gcc") is None:
-        return "no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu)"
-    if shutil.which("qemu-aarch64") is None:
-        return "no qemu-aarch64 (apt-get install qemu-user)"
-    if not (_sysroot() / "run").is_file():
-        return f"no aarch64 Python at {_sysroot()} (run scripts/aarch64_python.sh)"
-    return None
 
 
 def _elf_machine(path: Path) -> int:
@@ -58,11 +45,8 @@ def _program(tiny_llama, quantization: str | None):
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_cortex_a76_step_under_qemu_matches_the_reference(
-    quantization: str | None, tiny_llama, tmp_path: Path
+    quantization: str | None, tiny_llama, tmp_path: Path, run_aarch64
 ) -> None:
-    missing = _missing_for_emulation()
-    if missing is not None:
-        pytest.skip(missing)
     program = _program(tiny_llama, quantization)
     code = TVMBackend().compile(program, A76, tmp_path / "a76", CompileSettings())
     description = json.loads((tmp_path / "a76" / "step.json").read_text())
@@ -78,27 +62,20 @@ def test_cortex_a76_step_under_qemu_matches_the_reference(
     reference = ReferenceExecutable(program.graph, program.weights)
     expected = reference.step(inputs, spec.allocate(2, BLOCK_SIZE))
     *tensors, row_counts = step_tensors(inputs)
-    arrays = {f"input_{i}": t.numpy() for i, t in enumerate(tensors)}
-    arrays["row_counts"] = row_counts.numpy()
-    arrays["kv_cache"] = spec.allocate(2, BLOCK_SIZE).numpy()
-    for i, param in enumerate(description["params"]):
-        arrays[f"weight_{i}"] = apply_layout(param["transform"], program.weights[param["source"]]).numpy()
-    np.savez(tmp_path / "inputs.npz", **arrays)
-
-    done = subprocess.run(
+    weights = [apply_layout(p["transform"], program.weights[p["source"]]) for p in description["params"]]
+    args = [*tensors, spec.allocate(2, BLOCK_SIZE), row_counts, *weights]
+    np.savez(tmp_path / "inputs.npz", **{f"arg_{i}": a.numpy() for i, a in enumerate(args)})
+    run_aarch64(
         [
-            str(_sysroot() / "run"),
-            str(SCRIPT),
-            str(_sysroot() / "site-packages" / "tvm" / "lib"),
-            str(tmp_path / "a76" / "step.so"),
-            str(tmp_path / "inputs.npz"),
-            str(tmp_path / "logits.npy"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+            {
+                "library": str(tmp_path / "a76" / "step.so"),
+                "function": "step",
+                "vm": True,
+                "inputs": str(tmp_path / "inputs.npz"),
+                "output": str(tmp_path / "logits.npy"),
+            }
+        ]
     )
-    assert done.returncode == 0, done.stderr[-2000:]
     ours = torch.from_numpy(np.load(tmp_path / "logits.npy"))[: expected.shape[0]]
     error = float((ours - expected).abs().max() / expected.abs().max())
     assert error < TOLERANCE[quantization], error
@@ -106,7 +83,7 @@ def test_cortex_a76_step_under_qemu_matches_the_reference(
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64-linux-gnu-gcc")
 def test_an_aarch64_build_is_refused_here_naming_both_triples(tiny_llama, tmp_path: Path) -> None:
-    if os.uname().machine != "x86_64":
+    if host_machine() != "x86_64":
         pytest.skip("the refusal is of an aarch64 build on an x86-64 machine")
     program = _program(tiny_llama, None)
     backend = TVMBackend()
@@ -137,3 +114,47 @@ def test_orin_build_is_aarch64_host_code_with_sm_87_sass(tiny_llama, tmp_path: P
     assert code.manifest["host_triple"] == "aarch64-unknown-linux-gnu"
     needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
     assert "NEEDED" not in needed or "libc.so.6" in needed  # nothing JetPack lacks
+
+
+GENERATE = ("--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_under_qemu_match_x86_with_the_whole_runtime(
+    tmp_path: Path, aarch64_python: Path
+) -> None:
+    """kiln generate itself (torch, tokenizer, engine, the TVM runtime; no TVM compiler) in the emulated
+    aarch64 Python with scripts/aarch64_runtime.sh's packages, against the same artifact's x86 target."""
+    runtime_packages = aarch64_python / "runtime-packages"
+    if not (runtime_packages / ".spec").is_file():
+        pytest.skip(f"no aarch64 torch at {runtime_packages} (run scripts/aarch64_runtime.sh)")
+    artifact = tmp_path / "smollm2"
+    kiln = [sys.executable, "-m", "kiln.cli"]
+    targets = ["--target", "cpu,cpu:cortex-a76"]
+    compiled = subprocess.run(
+        [*kiln, "compile", "smollm2-135m-instruct", *targets, "-o", str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert compiled.returncode == 0, compiled.stderr
+    generate = ["generate", str(artifact), *GENERATE, "--target"]
+    x86 = subprocess.run([*kiln, *generate, "cpu"], capture_output=True, text=True, timeout=300)
+    assert x86.returncode == 0, x86.stderr
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "kiln").symlink_to(Path(kiln_package.__file__).parent)
+    env = {
+        **os.environ,
+        "KILN_HOME": str(tmp_path / "home"),
+        "KILN_TVM_LIBRARY_DIR": str(aarch64_python / "site-packages" / "tvm" / "lib"),
+        "PYTHONPATH": f"{runtime_packages}:{tmp_path / 'path'}",
+    }
+    emulated = subprocess.run(
+        [str(aarch64_python / "run"), "-m", "kiln.cli", *generate, "cpu:cortex-a76"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    assert emulated.stdout == x86.stdout and x86.stdout.strip()

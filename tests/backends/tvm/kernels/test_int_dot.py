@@ -1,5 +1,6 @@
-"""The integer-dot quantized linear (kernels/int_dot.py), every ISA variant this CPU can run, every
-weight layout, against an exact model of its arithmetic and against float32 on dequantized weights."""
+"""The integer-dot quantized linear (kernels/int_dot.py), every x86 variant this CPU can run and the
+aarch64 one under qemu-aarch64, every weight layout, against an exact model of its arithmetic and
+against float32 on dequantized weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import tvm
 
-from kiln.backends.tvm.cpu import TRIPLE
+from kiln.backends.targets import TRIPLES
 from kiln.backends.tvm.cpu_features import host_flags
 from kiln.backends.tvm.kernels.int_dot import (
     ISAS,
@@ -49,6 +50,7 @@ VARIANTS = {
     "vnni256": ("alderlake", {"avx_vnni"}),
     "avx2": ("znver3", {"avx2"}),
 }
+EMULATED = {"neon_dot": "cortex-a76"}  # run under qemu-aarch64 (conftest.run_aarch64)
 # The kernel's sums are exact integers; only the float32 epilogue rounds.
 EXACT_TOLERANCE = 1e-5  # against the same arithmetic in float64
 FLOAT_TOLERANCE = {8: 2e-2, 16: 1e-4}  # against x @ dequantized W, by activation bits
@@ -81,18 +83,13 @@ def _weights(spec: QuantSpec, value_bits: int | None, rng: np.random.Generator):
     return q, scales, zeros, dense.astype(np.float64)
 
 
-def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int) -> None:
-    mcpu, needs = VARIANTS[variant]
-    if not needs <= host_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
-    isa = ISAS[variant]
+def _inputs(spec: QuantSpec, value_bits: int | None, isa_name: str):
+    """(weights model, the kernel's constant arguments, per row count the activations) for a variant."""
+    isa = ISAS[isa_name]
     tile = int_dot_tile(N, spec, isa)
     assert tile is not None
-    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": mcpu})
     plane = weight_plane(spec, value_bits)
     assert plane is not None
-    kernel = int_dot_gemm_kernel(K, N, spec, False, isa, plane, activation_bits)
-    library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
     rng = np.random.default_rng(spec.group_size + spec.bits)
     q, scales, zeros, dense = _weights(spec, value_bits, rng)
     packing = "pairs" if spec.bits == 4 else "none"
@@ -105,47 +102,66 @@ def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits:
     high = (
         dot_high(stored, spec.bits, packing, tile, plane.bits, plane.offset) if plane.bits in (5, 6) else main
     )
-    device = tvm.cpu()
-    constant = [
-        tvm.runtime.tensor(a.numpy(), device)
-        for a in (
-            main,
-            high,
-            tiled(torch.from_numpy(scales), tile),
-            tiled(torch.from_numpy(scales), tile),
-            tiled(torch.from_numpy(zeros), tile),
-            tiled(torch.from_numpy(zeros), tile),
-        )
-    ]
-    block = min(spec.group_size, 32)
+    scale_tiles, zero_tiles = tiled(torch.from_numpy(scales), tile), tiled(torch.from_numpy(zeros), tile)
+    constant = [a.numpy() for a in (main, high, scale_tiles, scale_tiles, zero_tiles, zero_tiles)]
+    activations = {}
     for rows in ROWS:
-        blocks = -(-rows // 4)
-        x = rng.standard_normal((blocks * 4, K)).astype(np.float32)
+        x = rng.standard_normal((-(-rows // 4) * 4, K)).astype(np.float32)
         x[:, :8] *= 20  # an outlier channel, as real activations have
-        y = tvm.runtime.tensor(np.zeros((blocks, 4, N), np.float32), device)
-        counts = tvm.runtime.tensor(np.array([rows, rows], np.int64), device)
-        library["main"](
-            tvm.runtime.tensor(x.reshape(blocks, 4, K), device),
-            *constant,
-            tvm.runtime.tensor(np.zeros(1, np.float32), device),
-            counts,
-            0,
-            y,
-        )
-        ours = y.numpy().reshape(-1, N)[:rows]
-        exact_x = x[:rows].astype(np.float64)
-        quantized_x = _quantize_activations(exact_x, block, activation_bits)
-        s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
-        if spec.scheme == "symmetric":
-            model = quantized_x @ dense.T
-        elif spec.scheme == "min":
-            model = quantized_x @ (s * q).T + exact_x @ z.T  # the min term takes the exact row sums
-        else:
-            model = quantized_x @ (s * q).T - exact_x @ (s * z).T
-        exact_error = np.abs(ours - model).max() / np.abs(model).max()
-        float_error = np.abs(ours - exact_x @ dense.T).max() / np.abs(exact_x @ dense.T).max()
-        assert exact_error < EXACT_TOLERANCE, (variant, spec, rows, exact_error)
-        assert float_error < FLOAT_TOLERANCE[activation_bits], (variant, spec, rows, float_error)
+        activations[rows] = x
+    return (q, scales, zeros, dense), constant, activations
+
+
+def _arguments(x: np.ndarray, constant: list[np.ndarray], rows: int) -> list[np.ndarray]:
+    blocks = x.shape[0] // 4
+    return [
+        x.reshape(blocks, 4, K),
+        *constant,
+        np.zeros(1, np.float32),
+        np.array([rows, rows], np.int64),
+        np.array(0, np.int64),
+        np.zeros((blocks, 4, N), np.float32),
+    ]
+
+
+def _check(spec, value_bits, model_weights, x, ours, rows, variant, activation_bits) -> None:
+    q, scales, zeros, dense = model_weights
+    block = min(spec.group_size, 32)
+    exact_x = x[:rows].astype(np.float64)
+    quantized_x = _quantize_activations(exact_x, block, activation_bits)
+    s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
+    if spec.scheme == "symmetric":
+        model = quantized_x @ dense.T
+    elif spec.scheme == "min":
+        model = quantized_x @ (s * q).T + exact_x @ z.T  # the min term takes the exact row sums
+    else:
+        model = quantized_x @ (s * q).T - exact_x @ (s * z).T
+    exact_error = np.abs(ours - model).max() / np.abs(model).max()
+    float_error = np.abs(ours - exact_x @ dense.T).max() / np.abs(exact_x @ dense.T).max()
+    assert exact_error < EXACT_TOLERANCE, (variant, spec, rows, exact_error)
+    assert float_error < FLOAT_TOLERANCE[activation_bits], (variant, spec, rows, float_error)
+
+
+def _kernel(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int) -> tvm.IRModule:
+    plane = weight_plane(spec, value_bits)
+    kernel = int_dot_gemm_kernel(K, N, spec, False, ISAS[variant], plane, activation_bits)
+    return tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
+
+
+def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int) -> None:
+    mcpu, needs = VARIANTS[variant]
+    if not needs <= host_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
+    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["x86_64"], "mcpu": mcpu})
+    library = tvm.compile(_kernel(spec, value_bits, variant, activation_bits), target=target)
+    model_weights, constant, activations = _inputs(spec, value_bits, variant)
+    device = tvm.cpu()
+    for rows, x in activations.items():
+        args = _arguments(x, constant, rows)
+        tensors = [int(a) if a.ndim == 0 else tvm.runtime.tensor(a, device) for a in args]
+        library["main"](*tensors)
+        ours = tensors[-1].numpy().reshape(-1, N)[:rows]
+        _check(spec, value_bits, model_weights, x, ours, rows, variant, activation_bits)
 
 
 def _id(case: tuple[QuantSpec, int | None]) -> str:
@@ -157,6 +173,39 @@ def _id(case: tuple[QuantSpec, int | None]) -> str:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_and_plane(case: tuple[QuantSpec, int | None], variant: str) -> None:
     _run(*case, variant, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_the_aarch64_sdot_variant_under_qemu(activation_bits: int, tmp_path, run_aarch64) -> None:
+    from tvm.support import cc
+
+    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["aarch64"], "mcpu": EMULATED["neon_dot"]})
+    jobs, checks = [], []
+    for index, (spec, value_bits) in enumerate(SPECS):
+        library = tmp_path / f"kernel{index}.so"
+        tvm.compile(_kernel(spec, value_bits, "neon_dot", activation_bits), target=target).export_library(
+            str(library), fcompile=cc.cross_compiler("aarch64-linux-gnu-gcc")
+        )
+        model_weights, constant, activations = _inputs(spec, value_bits, "neon_dot")
+        for rows, x in activations.items():
+            name = f"kernel{index}-rows{rows}"
+            args = _arguments(x, constant, rows)
+            np.savez(tmp_path / f"{name}.npz", **{f"arg_{i}": a for i, a in enumerate(args)})
+            jobs.append(
+                {
+                    "library": str(library),
+                    "function": "main",
+                    "inputs": str(tmp_path / f"{name}.npz"),
+                    "output": str(tmp_path / f"{name}.npy"),
+                    "result_arg": len(args) - 1,
+                }
+            )
+            checks.append((spec, value_bits, model_weights, x, rows, name))
+    run_aarch64(jobs)
+    for spec, value_bits, model_weights, x, rows, name in checks:
+        ours = np.load(tmp_path / f"{name}.npy").reshape(-1, N)[:rows]
+        _check(spec, value_bits, model_weights, x, ours, rows, "neon_dot", activation_bits)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -189,3 +238,5 @@ def test_variant_choice_follows_the_target_features() -> None:
     assert choose_isa({"avx2", "avxvnni"}) is ISAS["vnni256"]
     assert choose_isa({"avx2", "fma"}) is ISAS["avx2"]
     assert choose_isa({"sse4.2"}) is None  # the float32 kernels (quant_gemm.py)
+    assert choose_isa({"neon", "dotprod", "fullfp16"}) is ISAS["neon_dot"]
+    assert choose_isa({"neon"}) is None  # Cortex-A72 / A53: no sdot
