@@ -15,14 +15,15 @@ instruction sequence per target, chosen at compile time from the CPU's features 
     vnni512  vpdpbusd zmm      16 columns x 4 k per instruction (AVX-512 VNNI)
     vnni256  vpdpbusd ymm       8 x 4 (AVX-VNNI, or AVX-512 VNNI with 256-bit vectors)
     avx2     vpmaddubsw + vpmaddwd, 8 x 4
-    neon_dot sdot (aarch64 dotprod: Cortex-A76/A78, Neoverse, Orin's A78AE), 4 x 4, signed x signed
+    neon_dot  sdot (aarch64 dotprod: Cortex-A76/A78, Neoverse N1, Orin's A78AE), 4 x 4, signed x signed
+    neon_i8mm usdot (aarch64 i8mm: Neoverse V1/N2/V2, Cortex-X2/A710 on), 4 x 4, unsigned x signed
 
 The x86 ones multiply unsigned bytes (the weights) by signed bytes (the activations). 4-bit values are
 unsigned already. An int8 weight is stored as q + 128 (`q ^ 0x80`): VNNI takes it as it is and
 subtracts 128 * sum(xq) per block; AVX2 takes |q| times xq with q's sign, as vpmaddubsw would
 saturate on 255 * 127 * 2. NEON's sdot takes q = u ^ 0x80 as signed bytes, exactly; 4- to 6-bit
-values u <= 63 are signed bytes as they are. i8mm's smmla (2 x 8 by 8 x 2 tiles) is not used: it wants
-two activation rows interleaved, another layout.
+values u <= 63 are signed bytes as they are. usdot (i8mm) takes u as VNNI does. i8mm's smmla (2 x 8
+by 8 x 2 tiles) is not used: it wants two activation rows interleaved, another layout.
 
 AVX2, int8 weights, 16-bit activations ("words"): the weight bytes u = q + 128 are widened to int16
 and multiplied by the int16 activations with vpmaddwd, one instruction per 2 k instead of two int8
@@ -82,6 +83,7 @@ ISAS = {
     "vnni256": Isa("vnni256", 8, 2, True),  # 16 ymm registers
     "avx2": Isa("avx2", 8, 2, False, word_dot=True),
     "neon_dot": Isa("neon_dot", 4, 4, False),  # 32 q registers; sdot is signed x signed
+    "neon_i8mm": Isa("neon_i8mm", 4, 4, True),  # usdot: unsigned x signed, as VNNI
 }
 
 
@@ -93,6 +95,8 @@ def choose_isa(features: set[str]) -> Isa | None:
         return ISAS["vnni256"]
     if "avx2" in features:
         return ISAS["avx2"]
+    if "i8mm" in features:
+        return ISAS["neon_i8mm"]
     if "dotprod" in features:
         return ISAS["neon_dot"]
     return None
@@ -171,19 +175,23 @@ def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
 
         return lambda acc, w0, x0, w1, x1: vnni(vnni(acc, w0, x0), w1, x1)
 
-    if isa.name == "neon_dot":
+    if isa.name in ("neon_dot", "neon_i8mm"):
+        # usdot takes u as it is (the kernel subtracts 128 * sum(xq) for int8); sdot takes int8 weights
+        # as q = u ^ 0x80, and nibble planes' u <= 63 as they are
+        name = "usdot" if isa.unsigned_int8 else "sdot"
+        signed = not isa.unsigned_int8 and not nibbles
 
-        def sdot(acc: Expr, weights: Expr, x4: Expr) -> Expr:  # nibble planes' u <= 63 are int8 already
-            values = weights if nibbles else weights ^ T.broadcast(T.uint8(128), width)
+        def dot(acc: Expr, weights: Expr, x4: Expr) -> Expr:
+            values = weights ^ T.broadcast(T.uint8(128), width) if signed else weights
             return T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id("llvm.aarch64.neon.sdot.v4i32.v16i8"),
+                T.llvm_lookup_intrinsic_id(f"llvm.aarch64.neon.{name}.v4i32.v16i8"),
                 acc,
                 T.reinterpret(values, dtype=f"int8x{width}"),
                 bytes_of(x4),
                 dtype=f"int32x{lanes}",
             )
 
-        return lambda acc, w0, x0, w1, x1: sdot(sdot(acc, w0, x0), w1, x1)
+        return lambda acc, w0, x0, w1, x1: dot(dot(acc, w0, x0), w1, x1)
 
     def products(unsigned: Expr, signed: Expr) -> Expr:  # adjacent pairs: int16, saturating
         return T.call_llvm_pure_intrin(

@@ -50,7 +50,8 @@ VARIANTS = {
     "vnni256": ("alderlake", {"avx_vnni"}),
     "avx2": ("znver3", {"avx2"}),
 }
-EMULATED = {"neon_dot": "cortex-a76"}  # run under qemu-aarch64 (conftest.run_aarch64)
+# run under qemu-aarch64 (conftest.run_aarch64), whose default CPU has dotprod and i8mm
+EMULATED = {"neon_dot": "cortex-a76", "neon_i8mm": "neoverse-v1"}
 # The kernel's sums are exact integers; only the float32 epilogue rounds.
 EXACT_TOLERANCE = 1e-5  # against the same arithmetic in float64
 FLOAT_TOLERANCE = {8: 2e-2, 16: 1e-4}  # against x @ dequantized W, by activation bits
@@ -176,18 +177,20 @@ def test_every_variant_and_plane(case: tuple[QuantSpec, int | None], variant: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation_bits", [16, 8])
-def test_the_aarch64_sdot_variant_under_qemu(activation_bits: int, tmp_path, run_aarch64) -> None:
+@pytest.mark.parametrize(
+    ("variant", "activation_bits"), [("neon_dot", 16), ("neon_dot", 8), ("neon_i8mm", 16)]
+)
+def test_the_aarch64_variants_under_qemu(variant: str, activation_bits: int, tmp_path, run_aarch64) -> None:
     from tvm.support import cc
 
-    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["aarch64"], "mcpu": EMULATED["neon_dot"]})
+    target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["aarch64"], "mcpu": EMULATED[variant]})
     jobs, checks = [], []
     for index, (spec, value_bits) in enumerate(SPECS):
         library = tmp_path / f"kernel{index}.so"
-        tvm.compile(_kernel(spec, value_bits, "neon_dot", activation_bits), target=target).export_library(
+        tvm.compile(_kernel(spec, value_bits, variant, activation_bits), target=target).export_library(
             str(library), fcompile=cc.cross_compiler("aarch64-linux-gnu-gcc")
         )
-        model_weights, constant, activations = _inputs(spec, value_bits, "neon_dot")
+        model_weights, constant, activations = _inputs(spec, value_bits, variant)
         for rows, x in activations.items():
             name = f"kernel{index}-rows{rows}"
             args = _arguments(x, constant, rows)
@@ -205,7 +208,7 @@ def test_the_aarch64_sdot_variant_under_qemu(activation_bits: int, tmp_path, run
     run_aarch64(jobs)
     for spec, value_bits, model_weights, x, rows, name in checks:
         ours = np.load(tmp_path / f"{name}.npy").reshape(-1, N)[:rows]
-        _check(spec, value_bits, model_weights, x, ours, rows, "neon_dot", activation_bits)
+        _check(spec, value_bits, model_weights, x, ours, rows, variant, activation_bits)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -239,4 +242,5 @@ def test_variant_choice_follows_the_target_features() -> None:
     assert choose_isa({"avx2", "fma"}) is ISAS["avx2"]
     assert choose_isa({"sse4.2"}) is None  # the float32 kernels (quant_gemm.py)
     assert choose_isa({"neon", "dotprod", "fullfp16"}) is ISAS["neon_dot"]
+    assert choose_isa({"neon", "dotprod", "i8mm"}) is ISAS["neon_i8mm"]
     assert choose_isa({"neon"}) is None  # Cortex-A72 / A53: no sdot
