@@ -123,6 +123,11 @@ def _select_target(manifest: dict[str, Any], wanted: str) -> tuple[str, dict[str
         raise BundleError(str(error), hint=error.hint) from None
     if name not in targets:
         raise BundleError(f"the artifact has no target {wanted}", hint=f"it has {', '.join(targets)}")
+    if targets[name]["backend"] != "tvm":
+        raise BundleError(
+            f"{name} is a {targets[name]['backend']} target; kiln bundle packs TVM targets only",
+            hint="copy the whole artifact folder instead (docs/deploy.md)",
+        )
     return name, targets[name]
 
 
@@ -180,7 +185,7 @@ def _requirements() -> str:
 
 
 RUN_SCRIPT = """#!/bin/sh
-# Serve the bundled artifact with the bundled TVM runtime (see README of kiln: docs/deploy.md).
+# Serve the bundled artifact with the bundled TVM runtime (kiln's docs/deploy.md).
 here="$(cd "$(dirname "$0")" && pwd)"
 KILN_TVM_LIBRARY_DIR="$here/lib" exec kiln serve "$here/artifact" "$@"
 """

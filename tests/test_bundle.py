@@ -115,3 +115,14 @@ def test_an_aarch64_bundle_takes_the_aarch64_runtime(two_target_artifact: Path, 
         make_bundle(two_target_artifact, "cpu:cortex-a76", tmp_path / "bundle", tvm_wheel=wheel)
     with pytest.raises(BundleError, match="has no target cuda:sm_90"):
         make_bundle(two_target_artifact, "cuda:sm_90", tmp_path / "other", tvm_wheel=wheel)
+
+
+def test_only_tvm_targets_are_bundled(tmp_path: Path, tiny_hf_dir: Path) -> None:
+    from kiln.backends.targets import Target
+    from kiln.compiler import CompileOptions, compile_model
+
+    artifact = tmp_path / "reference"
+    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(backend="reference"), artifact)
+    with pytest.raises(BundleError, match="cpu is a reference target"):
+        make_bundle(artifact, "cpu", tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()

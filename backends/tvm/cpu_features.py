@@ -4,8 +4,9 @@ LLVM)."""
 from __future__ import annotations
 
 import ctypes
-import platform
 from pathlib import Path
+
+from kiln.backends.targets import host_machine
 
 # The features whose absence means SIGILL: /proc/cpuinfo's name -> LLVM's name.
 X86_64_FEATURES = {
@@ -58,7 +59,7 @@ def aarch64_flags() -> set[str]:
 
 
 def host_flags() -> set[str]:
-    if platform.machine().lower() in ("aarch64", "arm64"):
+    if host_machine() == "aarch64":
         return aarch64_flags()
     try:
         text = Path("/proc/cpuinfo").read_text()

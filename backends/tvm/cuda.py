@@ -13,6 +13,7 @@ fatbin holding a cubin (SASS) for the arch plus its PTX.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -59,6 +60,7 @@ def find_nvcc() -> Path:
     )
 
 
+@functools.cache
 def nvcc_archs(nvcc_path: Path) -> list[str]:
     """The sm_XX this nvcc compiles for (`--list-gpu-arch`: compute_XX lines)."""
     try:
@@ -80,7 +82,8 @@ def nvrtc12_home() -> Path:
 
 
 def device_compiler(arch: str) -> str | None:
-    """ "nvcc" (a fatbin with SASS and PTX), "nvrtc12" (a cubin, for the archs CUDA 13 dropped), or None."""
+    """What compiles device code for `arch`: nvcc (a fatbin with SASS and PTX), nvrtc12 (a bare cubin,
+    for the archs CUDA 13 dropped), or None: nothing here."""
     if arch in nvcc_archs(find_nvcc()):
         return "nvcc"
     if arch in NVRTC12_ARCHS and (nvrtc12_home() / "include" / "cuda_runtime.h").is_file():

@@ -52,18 +52,18 @@ TVM_VERSION_FILE = "apache-tvm.version"  # in a deploy bundle's lib/, written by
 
 
 def tvm_version() -> str:
-    """apache-tvm's version: its package metadata, else the bundle's record beside libtvm_runtime.so."""
+    """The version of the TVM runtime kiln loads: the bundle's record beside libtvm_runtime.so where
+    $KILN_TVM_LIBRARY_DIR names one, else apache-tvm's package metadata."""
+    recorded = Path(os.environ.get("KILN_TVM_LIBRARY_DIR", "")) / TVM_VERSION_FILE
+    if os.environ.get("KILN_TVM_LIBRARY_DIR") and recorded.is_file():
+        return recorded.read_text().strip()
     try:
         return metadata.version("apache-tvm")
     except metadata.PackageNotFoundError:
-        recorded = tvm_library_dir() / TVM_VERSION_FILE
-        if not recorded.is_file():
-            raise BackendError(
-                "the TVM runtime's version is unknown: apache-tvm is not installed and "
-                f"{recorded} does not exist",
-                hint="pip install apache-tvm, or set KILN_TVM_LIBRARY_DIR to a kiln bundle's lib/",
-            ) from None
-        return recorded.read_text().strip()
+        raise BackendError(
+            f"the TVM runtime's version is unknown: apache-tvm is not installed, {recorded} does not exist",
+            hint="pip install apache-tvm, or set KILN_TVM_LIBRARY_DIR to a kiln bundle's lib/",
+        ) from None
 
 
 def load_runtime() -> Any:
