@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.targets import Target, TargetError, host_machine
-from kiln.backends.tvm.executable import TVM_VERSION_FILE
+from kiln.backends.tvm.executable import TVM_VERSION_FILE, tvm_library_dir, tvm_version
 from kiln.errors import KilnError
 from kiln.runtime import artifact as fmt
 
@@ -63,7 +63,7 @@ def runtime_libraries(target: Target) -> list[str]:
 
 def _tvm_wheel(machine: str, cache: Path) -> Path:
     """The apache-tvm wheel of this kiln's TVM version for `machine`, downloaded once into `cache`."""
-    version = metadata.version("apache-tvm")
+    version = tvm_version()
     platform = WHEEL_PLATFORMS.get(machine)
     if platform is None:
         raise BundleError(f"no apache-tvm wheel is known for {machine}")
@@ -94,11 +94,9 @@ def _tvm_wheel(machine: str, cache: Path) -> Path:
 def _copy_runtime(target: Target, lib: Path, wheel: Path | None, cache: Path) -> str:
     """lib/ filled with the target machine's runtime libraries; where they came from."""
     lib.mkdir(parents=True)
-    (lib / TVM_VERSION_FILE).write_text(metadata.version("apache-tvm") + "\n")
+    (lib / TVM_VERSION_FILE).write_text(tvm_version() + "\n")
     names = runtime_libraries(target)
     if wheel is None and target.machine == host_machine():
-        from kiln.backends.tvm.executable import tvm_library_dir
-
         source = tvm_library_dir()
         for name in names:
             shutil.copy2(source / name, lib / name)
@@ -132,23 +130,15 @@ def _select_target(manifest: dict[str, Any], wanted: str) -> tuple[str, dict[str
 
 
 def _copy_artifact(source: Path, out: Path, manifest: dict[str, Any], name: str) -> None:
-    """The artifact with only target `name`: its folder, its weights and the shared files."""
+    """The artifact with only target `name`: its folder (every rank's), its weights, the shared files."""
     entry = manifest["targets"][name]
-    ranks = fmt.rank_entries(entry)
-    mine = {rank["folder"] for rank in ranks}
-    others = {
-        rank["folder"]
-        for other, e in manifest["targets"].items()
-        if other != name
-        for rank in fmt.rank_entries(e)
-    }
-    my_weights = {rank["weights"] for rank in ranks}
+    others = {e["folder"] for other, e in manifest["targets"].items() if other != name}
+    my_weights = {rank["weights"] for rank in fmt.rank_entries(entry)}
 
     def kept(file: str) -> bool:
-        top = file.split("/", 1)[0]
         if file.startswith("weights/"):
             return file in my_weights
-        return top in mine or top not in others
+        return file.split("/", 1)[0] not in others
 
     files = {file: digest for file, digest in manifest["files"].items() if kept(file)}
     for file in files:

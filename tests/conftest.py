@@ -4,6 +4,7 @@ import io
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -425,3 +426,27 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
     ).save_pretrained(path)
     return path
+
+
+AARCH64_PYTHON = Path(  # scripts/aarch64_python.sh
+    os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python")
+)
+
+
+def missing_for_aarch64_emulation() -> str | None:
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        return "no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu)"
+    if shutil.which("qemu-aarch64") is None:
+        return "no qemu-aarch64 (apt-get install qemu-user)"
+    if not (AARCH64_PYTHON / "run").is_file():
+        return f"no aarch64 Python at {AARCH64_PYTHON} (run scripts/aarch64_python.sh)"
+    return None
+
+
+@pytest.fixture
+def aarch64_python() -> Path:
+    """The emulated aarch64 Python's folder (its `run` starts it); skips, naming what is missing."""
+    missing = missing_for_aarch64_emulation()
+    if missing is not None:
+        pytest.skip(missing)
+    return AARCH64_PYTHON

@@ -34,6 +34,14 @@ DESCRIPTION = "step.json"
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}  # ELF e_machine
 
 
+def elf_machine(library: Path) -> str | None:
+    """The machine of a shared library's code (`ELF_MACHINES`), None for another machine or no ELF."""
+    header = library.read_bytes()[:20] if library.is_file() else b""
+    if header[:4] != b"\x7fELF":
+        return None
+    return ELF_MACHINES.get(int.from_bytes(header[18:20], "little"))
+
+
 def _kv_fields(program: Program) -> dict[str, Any]:
     spec = KVCacheSpec.of_graph(program.graph)
     dtype = DTYPE_OF_TORCH[spec.dtype]
@@ -163,10 +171,9 @@ class TVMBackend:
     def check_structure(self, folder: Path, target: Target) -> list[str]:
         description = self._description(folder)
         library = folder / LIBRARY
-        header = library.read_bytes()[:20] if library.is_file() else b""
-        if header[:4] != b"\x7fELF":
+        if not library.is_file() or library.read_bytes()[:4] != b"\x7fELF":
             raise BackendError(f"{library}: not a shared library")
-        machine = ELF_MACHINES.get(int.from_bytes(header[18:20], "little"), "an unknown machine")
+        machine = elf_machine(library) or "an unknown machine"
         built_for = description.get("host_triple", TRIPLES["x86_64"])
         if not built_for.startswith(machine):
             raise BackendError(f"{library}: an ELF for {machine}, but {DESCRIPTION} says {built_for}")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -52,29 +50,7 @@ def smollm2_q4_1(smollm2_gguf_path: Path):
     return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=2, quantization="gguf"))
 
 
-AARCH64_PYTHON = Path(
-    os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python")
-)
 EMULATED_RUN = Path(__file__).with_name("emulated_run.py")
-
-
-def missing_for_aarch64_emulation() -> str | None:
-    if shutil.which("aarch64-linux-gnu-gcc") is None:
-        return "no aarch64-linux-gnu-gcc (apt-get install gcc-aarch64-linux-gnu)"
-    if shutil.which("qemu-aarch64") is None:
-        return "no qemu-aarch64 (apt-get install qemu-user)"
-    if not (AARCH64_PYTHON / "run").is_file():
-        return f"no aarch64 Python at {AARCH64_PYTHON} (run scripts/aarch64_python.sh)"
-    return None
-
-
-@pytest.fixture
-def aarch64_python() -> Path:
-    """The emulated aarch64 Python's folder (its `run` starts it); skips, naming what is missing."""
-    missing = missing_for_aarch64_emulation()
-    if missing is not None:
-        pytest.skip(missing)
-    return AARCH64_PYTHON
 
 
 @pytest.fixture
@@ -83,9 +59,9 @@ def run_aarch64(tmp_path: Path, aarch64_python: Path) -> Callable[[list[dict[str
 
     def run(jobs: list[dict[str, Any]]) -> None:
         (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-        library_dir = AARCH64_PYTHON / "site-packages" / "tvm" / "lib"
+        library_dir = aarch64_python / "site-packages" / "tvm" / "lib"
         command = [
-            str(AARCH64_PYTHON / "run"),
+            str(aarch64_python / "run"),
             str(EMULATED_RUN),
             str(library_dir),
             str(tmp_path / "jobs.json"),

@@ -20,7 +20,7 @@ import kiln as kiln_package
 from kiln.backends.base import BackendError, CompileSettings, KVCacheSpec
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target, host_machine
-from kiln.backends.tvm.backend import TVMBackend
+from kiln.backends.tvm.backend import TVMBackend, elf_machine
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.build import PipelineOptions, optimize
@@ -31,10 +31,6 @@ A76 = Target.parse("cpu:cortex-a76")
 # max |emulated aarch64 - reference| / max |reference|: float32 as on x86; quantized linears take
 # int8 activations through sdot (kernels/int_dot.py), as the x86 int-dot kernels do.
 TOLERANCE = {None: 1e-4, "int4": 1e-3}
-
-
-def _elf_machine(path: Path) -> int:
-    return int.from_bytes(path.read_bytes()[18:20], "little")  # e_machine: 183 aarch64, 62 x86-64
 
 
 def _program(tiny_llama, quantization: str | None):
@@ -52,7 +48,7 @@ def test_cortex_a76_step_under_qemu_matches_the_reference(
     description = json.loads((tmp_path / "a76" / "step.json").read_text())
     assert description["host_triple"] == "aarch64-unknown-linux-gnu"
     assert {"asimd", "asimddp"} <= set(description["cpu_features"])
-    assert _elf_machine(tmp_path / "a76" / "step.so") == 183
+    assert elf_machine(tmp_path / "a76" / "step.so") == "aarch64"
     if quantization is not None:
         assert any(name.startswith("qdot_neon_dot") for name in code.kernels), code.kernels
 
@@ -107,7 +103,7 @@ def test_orin_build_is_aarch64_host_code_with_sm_87_sass(tiny_llama, tmp_path: P
     program = _program(tiny_llama, "int4")
     code = TVMBackend().compile(program, orin, tmp_path / "orin", CompileSettings())
     library = tmp_path / "orin" / "step.so"
-    assert _elf_machine(library) == 183
+    assert elf_machine(library) == "aarch64"
     assert json.loads((tmp_path / "orin" / "step.json").read_text())["host_triple"] == orin.triple
     lines = TVMBackend().check_structure(tmp_path / "orin", orin)
     assert any("carries a cubin for sm_87" in line for line in lines), lines
