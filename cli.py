@@ -179,6 +179,7 @@ def _compile(args: argparse.Namespace) -> int:
     from kiln.compiler import (
         CompileOptions,
         OutputError,
+        check_activation_bits,
         check_dtype,
         check_kv_cache_dtype,
         check_output,
@@ -199,6 +200,7 @@ def _compile(args: argparse.Namespace) -> int:
         kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
         check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
         check_dtype(targets, args.dtype)
+        check_activation_bits(chosen.backend, targets, args.activation_bits)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -214,6 +216,7 @@ def _compile(args: argparse.Namespace) -> int:
         tuning_logs=_tuning_logs(args.tuning_logs),
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        activation_bits=args.activation_bits,
     )
     show = not (args.quiet or args.json)
     title = (
@@ -626,6 +629,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads the artifact runs with (default: all)"
+    )
+    compile_.add_argument(
+        "--activation-bits",
+        type=int,
+        choices=[16, 8],
+        default=16,
+        help="TVM CPU quantized linears: activations quantized to 16 bits (default; greedy tokens as "
+        "transformers float32) or 8 (llama.cpp's rounding: faster prefill and batches, logits further off)",
     )
     compile_.add_argument(
         "-o",

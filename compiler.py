@@ -75,6 +75,7 @@ class CompileOptions:
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks: one program (code and weights) each
     kv_cache_dtype: str = "auto"  # auto: the float dtype; fp8_e4m3: float8 with calibrated scales
+    activation_bits: int = 16  # CPU integer-dot kernels' activations: 16, or 8 as llama.cpp rounds them
 
     @property
     def pipeline(self) -> PipelineOptions:
@@ -97,6 +98,7 @@ class CompileOptions:
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "activation_bits": self.activation_bits,
         }
 
 
@@ -199,6 +201,21 @@ def check_dtype(targets: list[Target], dtype: str | None) -> None:
         refusal = bfloat16_refusal(target)
         if refusal is not None:
             raise BackendError(refusal, hint=f"use --dtype f16 for {target.name}")
+
+
+def check_activation_bits(backend: str, targets: list[Target], activation_bits: int) -> None:
+    """8-bit activations are a choice of the TVM backend's CPU integer-dot kernels; refuse it elsewhere."""
+    if activation_bits == 16:
+        return
+    if activation_bits != 8:
+        raise BackendError(f"--activation-bits {activation_bits}: choose 16 or 8")
+    others = [t.name for t in targets if t.kind != "cpu"]
+    if backend != "tvm" or others:
+        where = f"backend {backend}" if backend != "tvm" else f"target {others[0]}"
+        raise BackendError(
+            f"--activation-bits 8 applies to the TVM backend's CPU integer-dot kernels, not {where}",
+            hint="compile with --backend tvm for cpu targets, or drop --activation-bits",
+        )
 
 
 FLOAT8_KV_CACHE_BACKENDS = ("tvm", "reference")
@@ -361,6 +378,7 @@ def compile_model(
             max_model_len=max_model_len,
             tuning_logs=options.tuning_logs,
             num_threads=options.num_threads,
+            activation_bits=options.activation_bits,
         )
         entries: dict[str, Any] = {}
         weights: list[str] = []  # each rank's, written after the first target compiles; targets share them

@@ -177,9 +177,10 @@ def describe(artifact: LoadedArtifact) -> str:
     parallel = f", tensor-parallel {ranks.world}" if isinstance(ranks, TensorParallelExecutable) else ""
     kv_cache = compiled.get("kv_cache_dtype", "auto")
     kv_cache = f", KV cache {kv_cache}" if kv_cache != "auto" else ""
+    activations = ", 8-bit activations" if compiled.get("activation_bits", 16) == 8 else ""
     return (
         f"backend {entry['backend']}, target {target}, quantization {quantization}, "
-        f"dtype {compiled.get('dtype', 'f32')}{kv_cache}{parallel}"
+        f"dtype {compiled.get('dtype', 'f32')}{kv_cache}{activations}{parallel}"
     )
 
 

@@ -36,6 +36,7 @@ class CompileSettings:
     max_model_len: int = 2048
     tuning_logs: Path | None = None  # the repo's tuning_logs/ (or another) folder; None: no tuning logs
     num_threads: int | None = None  # CPU threads recorded for the runtime; None: all cores
+    activation_bits: int = 16  # CPU integer-dot kernels: 16 (default) or 8 (llama.cpp's rounding)
 
 
 @dataclass

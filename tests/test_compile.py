@@ -93,6 +93,14 @@ def test_compiling_twice_gives_identical_files(
             "a float8 KV cache runs on tvm and reference, not onnxruntime",
         ),
         (["--target", "cuda:sm_87", "--kv-cache-dtype", "fp8"], "(sm_89 Ada and newer); cuda:sm_87 has none"),
+        (
+            ["--backend", "onnxruntime", "--activation-bits", "8"],
+            "applies to the TVM backend's CPU integer-dot kernels, not backend onnxruntime",
+        ),
+        (
+            ["--target", "cpu,cuda:sm_90", "--activation-bits", "8"],
+            "CPU integer-dot kernels, not target cuda:sm_90",
+        ),
     ],
 )
 def test_impossible_requests_exit_2_at_once(tmp_path: Path, args: list[str], message: str) -> None:

@@ -103,6 +103,7 @@ class TVMBackend:
             decode=True,
             decode_kernels=tuned,
             int_dot_isa=cpu.int_dot_isa(llvm),
+            activation_bits=settings.activation_bits,
         )
         origins = dict(lowered.kernel_origins)
         executable = cpu.build_cpu(lowered.module, llvm)

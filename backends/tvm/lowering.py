@@ -92,6 +92,7 @@ class Lowerer:
     kernel_origins: dict[str, str] = field(default_factory=dict)
     decode_kernels: DecodeKernels | None = None  # set while lowering `decode`
     int_dot: int_dot.Isa | None = None  # the CPU's integer dot-product variant (None: float kernels)
+    activation_bits: int = 16  # the integer-dot kernels' activation quantization (int_dot.py)
 
     def dim(self, dim: int | str) -> Any:
         if isinstance(dim, int):
@@ -264,10 +265,13 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
             else:
                 zero_arg = scale_param if zero_param is None else zero_param
                 tail = [scale_param, scale_param, zero_arg, zero_arg, *last]
+            activation_bits = lw.activation_bits
             kernel = lw.kernel(
-                f"qdot_{isa.name}",
-                (*key, plane, per),
-                lambda: int_dot.int_dot_gemm_kernel(k, n, spec, bias is not None, isa, plane, scale_per=per),
+                f"qdot_{isa.name}" + ("_a8" if activation_bits == 8 else ""),
+                (*key, plane, per, activation_bits),
+                lambda: int_dot.int_dot_gemm_kernel(
+                    k, n, spec, bias is not None, isa, plane, activation_bits=activation_bits, scale_per=per
+                ),
                 {},
             )
         else:
@@ -645,6 +649,7 @@ def lower_graph(
     decode: bool = False,
     decode_kernels: DecodeKernels | None = None,
     int_dot_isa: int_dot.Isa | None = None,
+    activation_bits: int = 16,
 ) -> LoweredStep:
     """`step` (symbolic row blocks); with `decode`, also `decode` (one block of token and logits rows),
     which uses `decode_kernels`' kernel where it gives one and the generic kernel otherwise."""
@@ -653,7 +658,7 @@ def lower_graph(
         raise BackendError(
             problems[0], hint="`--backend reference` runs every op; or add a TVM lowering for this one"
         )
-    lw = Lowerer(graph, target_kind, schedule, int_dot=int_dot_isa)
+    lw = Lowerer(graph, target_kind, schedule, int_dot=int_dot_isa, activation_bits=activation_bits)
     _lower_function(lw, "step", None)
     functions = ["step"]
     if decode:
@@ -667,6 +672,7 @@ def lower_graph(
             kernel_origins=lw.kernel_origins,
             decode_kernels=decode_kernels,
             int_dot=int_dot_isa,
+            activation_bits=activation_bits,
         )
         _lower_function(decode_lw, "decode", DECODE_BLOCKS)
         if decode_lw.param_specs != lw.param_specs:

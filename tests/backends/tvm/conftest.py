@@ -17,10 +17,12 @@ from kiln.build import PipelineOptions, optimize
 from kiln.ir import Program
 
 
-def compile_tvm_cpu(program: Program, folder: Path, target: Target | None = None) -> Executable:
+def compile_tvm_cpu(
+    program: Program, folder: Path, target: Target | None = None, settings: CompileSettings | None = None
+) -> Executable:
     backend = TVMBackend()
     target = target or Target("cpu")
-    backend.compile(program, target, folder, CompileSettings())
+    backend.compile(program, target, folder, settings or CompileSettings())
     return backend.load(folder, program.weights, target)
 
 

@@ -25,6 +25,7 @@ TOLERANCE = 1e-4  # max |tvm - reference| / max |reference|
 # Quantized linears on this CPU use integer dot products over 16-bit quantized activations
 # (kernels/int_dot.py): measured 1.8e-4 to 2.1e-4 on the models below.
 QUANTIZED_TOLERANCE = 1e-3
+EIGHT_BIT_TOLERANCE = 8e-2  # --activation-bits 8 (llama.cpp's rounding): SmolLM2 Q4_1 measured 4.5e-2
 FLOAT_PATH_CPU = Target("cpu", "x86-64-v2")  # no AVX2: the float32 quantized kernels (quant_gemm.py)
 
 
@@ -77,6 +78,22 @@ def test_smollm2_gguf_blocks_match_the_reference(
     assert _relative_error(ours, theirs) < QUANTIZED_TOLERANCE
     assert greedy_generate(tvm, prompt, 16) == greedy_generate(reference, prompt, 16)
     check_batch_invariance(tvm, smollm2_q4_1.tokenizer, "tvm-gguf")
+
+
+@pytest.mark.slow
+def test_eight_bit_activations_round_as_llama_cpp(smollm2_q4_1, tmp_path: Path, tvm_compile) -> None:
+    """`kiln compile --activation-bits 8`: every integer-dot kernel takes int8 activation blocks, so the
+    logits move further from the reference (EIGHT_BIT_TOLERANCE, against 1e-3 for 16 bits)."""
+    if "avx2" not in host_flags():
+        pytest.skip("this CPU lacks AVX2: its quantized linears are the float32 kernels")
+    tvm = tvm_compile(smollm2_q4_1.program, tmp_path, None, CompileSettings(activation_bits=8))
+    prompt = smollm2_q4_1.tokenizer.encode("A kiln fires clay at a high temperature")
+    inputs = build_step_inputs([SequenceSlice(prompt, 0, [1, 3])], BLOCK_SIZE)
+    ours = tvm.step(inputs, tvm.kv_cache_spec.allocate(4, BLOCK_SIZE))
+    reference = smollm2_q4_1.executable
+    theirs = reference.step(inputs, reference.kv_cache_spec.allocate(4, BLOCK_SIZE))
+    error = _relative_error(ours, theirs)
+    assert QUANTIZED_TOLERANCE < error < EIGHT_BIT_TOLERANCE, error  # above: the option took effect
 
 
 def test_loading_leaves_the_cores_to_tvm(tmp_path: Path, tvm_compile, make_tiny_program) -> None:

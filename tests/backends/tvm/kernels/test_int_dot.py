@@ -172,13 +172,16 @@ def _id(case: tuple[QuantSpec, int | None]) -> str:
 
 @pytest.mark.parametrize("case", SPECS, ids=_id)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_variant_and_plane(case: tuple[QuantSpec, int | None], variant: str) -> None:
-    _run(*case, variant, 16)
+@pytest.mark.parametrize("activation_bits", [16, 8])  # 8: the gate/up projections (lowering.py)
+def test_every_variant_and_plane(
+    case: tuple[QuantSpec, int | None], variant: str, activation_bits: int
+) -> None:
+    _run(*case, variant, activation_bits)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("variant", "activation_bits"), [("neon_dot", 16), ("neon_dot", 8), ("neon_i8mm", 16)]
+    ("variant", "activation_bits"), [("neon_dot", 16), ("neon_dot", 8), ("neon_i8mm", 16), ("neon_i8mm", 8)]
 )
 def test_the_aarch64_variants_under_qemu(variant: str, activation_bits: int, tmp_path, run_aarch64) -> None:
     from tvm.support import cc
