@@ -58,13 +58,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_options(args: argparse.Namespace) -> dict[str, str | None]:
-    """--backend, --quantization, --dtype, --kv-cache-dtype, --target as `kiln.LLM` keywords."""
+def _model_options(args: argparse.Namespace) -> dict[str, str | int | None]:
+    """--backend, --quantization, --dtype, --kv-cache-dtype, --activation-bits, --target as `kiln.LLM`
+    keywords."""
     return {
         "backend": args.backend,
         "quantization": args.quantization,
         "dtype": args.dtype,
         "kv_cache_dtype": kv_cache_dtype_arg(args.kv_cache_dtype),
+        "activation_bits": args.activation_bits,
         "target": args.target,
     }
 
@@ -200,7 +202,8 @@ def _compile(args: argparse.Namespace) -> int:
         kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
         check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
         check_dtype(targets, args.dtype)
-        check_activation_bits(chosen.backend, targets, args.activation_bits)
+        activation_bits = args.activation_bits or 16
+        check_activation_bits(chosen.backend, targets, activation_bits)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:
         raise UsageError(str(error), hint=error.hint) from None
@@ -216,7 +219,7 @@ def _compile(args: argparse.Namespace) -> int:
         tuning_logs=_tuning_logs(args.tuning_logs),
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
-        activation_bits=args.activation_bits,
+        activation_bits=activation_bits,
     )
     show = not (args.quiet or args.json)
     title = (
@@ -521,6 +524,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="auto (default): the float dtype; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at "
         "compile time (TVM backend; CPUs and sm_89+)",
     )
+    parser.add_argument(
+        "--activation-bits",
+        type=int,
+        choices=[16, 8],
+        default=None,
+        help="TVM CPU quantized linears: activations quantized to 16 bits (default; greedy tokens as "
+        "transformers float32) or 8 (llama.cpp's rounding: faster prefill and batches, logits further off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -629,14 +640,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads the artifact runs with (default: all)"
-    )
-    compile_.add_argument(
-        "--activation-bits",
-        type=int,
-        choices=[16, 8],
-        default=16,
-        help="TVM CPU quantized linears: activations quantized to 16 bits (default; greedy tokens as "
-        "transformers float32) or 8 (llama.cpp's rounding: faster prefill and batches, logits further off)",
     )
     compile_.add_argument(
         "-o",

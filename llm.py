@@ -20,6 +20,7 @@ from kiln.compiler import (
     AUTO,
     CompileOptions,
     OutputError,
+    check_activation_bits,
     check_dtype,
     check_kv_cache_dtype,
     check_targets,
@@ -70,18 +71,22 @@ class OptionsError(KilnError):
     """Compile options that contradict the artifact they were given with."""
 
 
+COMPILE_DEFAULTS = {"activation_bits": 16}  # what an artifact compiled before the option existed holds
+
+
 def _check_artifact_options(folder: Path, asked: dict[str, Any]) -> None:
     """An artifact runs as it was compiled: options asked for explicitly must be what it holds."""
     manifest = read_manifest(folder)
     compiled = manifest["compile"]
     backends = {entry["backend"] for entry in manifest["targets"].values()}
     for name, value in asked.items():
-        held = backends if name == "backend" else {compiled.get(name) or "none"}
+        held = backends if name == "backend" else {compiled.get(name, COMPILE_DEFAULTS.get(name)) or "none"}
         if value not in (None, AUTO) and value not in held:
+            flag = "--" + name.replace("_", "-")
             raise OptionsError(
                 f"{folder} is an artifact compiled with {name} {', '.join(sorted(map(str, held)))}, "
                 f"not {value}",
-                hint=f"drop --{name} to run it as compiled, or compile the model again with --{name} {value}",
+                hint=f"drop {flag} to run it as compiled, or compile the model again with {flag} {value}",
             )
 
 
@@ -92,6 +97,7 @@ def open_model(
     quantization: str | None = AUTO,
     dtype: str | None = None,
     kv_cache_dtype: str | None = None,
+    activation_bits: int | None = None,
     target: str | None = None,
     tensor_parallel_size: int | None = None,
     show_progress: bool = True,
@@ -105,6 +111,7 @@ def open_model(
             "quantization": quantization,
             "dtype": dtype,
             "kv_cache_dtype": kv_cache_dtype,
+            "activation_bits": activation_bits,
         }
         _check_artifact_options(path, asked)
         return load_artifact(
@@ -121,6 +128,7 @@ def open_model(
     check_tensor_parallel(chosen.backend, chosen.targets, world)
     check_kv_cache_dtype(chosen.backend, chosen.targets, kv_cache_dtype or "auto", world)
     check_dtype(chosen.targets, dtype)
+    check_activation_bits(chosen.backend, chosen.targets, activation_bits or 16)
     options = CompileOptions(
         backend=chosen.backend,
         quantization=quantization_arg(quantization),
@@ -128,6 +136,7 @@ def open_model(
         kv_cache_dtype=kv_cache_dtype or "auto",
         tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
         tensor_parallel_size=world,
+        activation_bits=activation_bits or 16,
     )
 
     @contextmanager
@@ -193,6 +202,7 @@ class LLM:
         quantization: str | None = AUTO,
         dtype: str | None = None,
         kv_cache_dtype: str | None = None,
+        activation_bits: int | None = None,
         target: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
@@ -212,6 +222,7 @@ class LLM:
             quantization=quantization,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
+            activation_bits=activation_bits,
             target=target,
             tensor_parallel_size=tensor_parallel_size,
             show_progress=show_progress,
@@ -226,6 +237,7 @@ class LLM:
                 quantization=quantization,
                 dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype,
+                activation_bits=activation_bits,
                 target=target,
                 show_progress=show_progress,
             )

@@ -89,6 +89,8 @@ def test_the_default_is_tvm_with_the_gguf_blocks(smollm2_gguf_path, tmp_path) ->
         kiln.LLM(str(llm.artifact.path), backend="reference")
     with pytest.raises(OptionsError, match="compiled with quantization gguf, not int4"):
         kiln.LLM(str(llm.artifact.path), quantization="int4")
+    with pytest.raises(OptionsError, match="compiled with activation_bits 16, not 8"):
+        kiln.LLM(str(llm.artifact.path), activation_bits=8)
     from kiln.cli import main
 
     assert main(["inspect", str(llm.artifact.path), "--ir"]) == 2  # compiled code: no IR to print
@@ -115,3 +117,10 @@ def test_auto_quantization_keeps_gguf_blocks_and_float_models_float(smollm2_gguf
     assert resolve_quantization(None, source) is None and resolve_quantization("int4", source) == "int4"
     floats = dataclasses.replace(source, weights={name: w for name, w in source.float_weights().items()})
     assert resolve_quantization("auto", floats) is None
+
+
+def test_eight_bit_activations_are_refused_off_the_tvm_cpu_kernels(smollm2_gguf_path) -> None:
+    from kiln.backends.base import BackendError
+
+    with pytest.raises(BackendError, match="CPU integer-dot kernels, not backend onnxruntime"):
+        kiln.LLM(str(smollm2_gguf_path), backend="onnxruntime", activation_bits=8)
