@@ -179,6 +179,7 @@ def _compile(args: argparse.Namespace) -> int:
     from kiln.backends.base import BackendError, DeviceRequiredError
     from kiln.backends.targets import TargetError
     from kiln.compiler import (
+        DEFAULT_ACTIVATION_BITS,
         CompileOptions,
         OutputError,
         check_activation_bits,
@@ -202,7 +203,7 @@ def _compile(args: argparse.Namespace) -> int:
         kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
         check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
         check_dtype(targets, args.dtype)
-        activation_bits = args.activation_bits or 16
+        activation_bits = args.activation_bits or DEFAULT_ACTIVATION_BITS
         check_activation_bits(chosen.backend, targets, activation_bits)
         check_output(Path(args.output), args.force)
     except (TargetError, BackendError, OutputError) as error:

@@ -62,6 +62,9 @@ def default_tuning_logs() -> Path:
     return Path(__file__).resolve().parent / "tuning_logs"
 
 
+DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     backend: str = "tvm"
@@ -75,7 +78,7 @@ class CompileOptions:
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks: one program (code and weights) each
     kv_cache_dtype: str = "auto"  # auto: the float dtype; fp8_e4m3: float8 with calibrated scales
-    activation_bits: int = 16  # CPU integer-dot kernels' activations: 16, or 8 as llama.cpp rounds them
+    activation_bits: int = DEFAULT_ACTIVATION_BITS  # CPU integer-dot kernels: 16, or 8 as llama.cpp rounds
 
     @property
     def pipeline(self) -> PipelineOptions:
@@ -205,7 +208,7 @@ def check_dtype(targets: list[Target], dtype: str | None) -> None:
 
 def check_activation_bits(backend: str, targets: list[Target], activation_bits: int) -> None:
     """8-bit activations are a choice of the TVM backend's CPU integer-dot kernels; refuse it elsewhere."""
-    if activation_bits == 16:
+    if activation_bits == DEFAULT_ACTIVATION_BITS:
         return
     if activation_bits != 8:
         raise BackendError(f"--activation-bits {activation_bits}: choose 16 or 8")

@@ -18,6 +18,7 @@ from typing import Any
 from kiln.build import Progress
 from kiln.compiler import (
     AUTO,
+    DEFAULT_ACTIVATION_BITS,
     CompileOptions,
     OutputError,
     check_activation_bits,
@@ -71,7 +72,7 @@ class OptionsError(KilnError):
     """Compile options that contradict the artifact they were given with."""
 
 
-COMPILE_DEFAULTS = {"activation_bits": 16}  # what an artifact compiled before the option existed holds
+COMPILE_DEFAULTS = {"activation_bits": DEFAULT_ACTIVATION_BITS}  # fields older manifests lack
 
 
 def _check_artifact_options(folder: Path, asked: dict[str, Any]) -> None:
@@ -128,7 +129,8 @@ def open_model(
     check_tensor_parallel(chosen.backend, chosen.targets, world)
     check_kv_cache_dtype(chosen.backend, chosen.targets, kv_cache_dtype or "auto", world)
     check_dtype(chosen.targets, dtype)
-    check_activation_bits(chosen.backend, chosen.targets, activation_bits or 16)
+    activation_bits = activation_bits or DEFAULT_ACTIVATION_BITS
+    check_activation_bits(chosen.backend, chosen.targets, activation_bits)
     options = CompileOptions(
         backend=chosen.backend,
         quantization=quantization_arg(quantization),
@@ -136,7 +138,7 @@ def open_model(
         kv_cache_dtype=kv_cache_dtype or "auto",
         tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
         tensor_parallel_size=world,
-        activation_bits=activation_bits or 16,
+        activation_bits=activation_bits,
     )
 
     @contextmanager
@@ -186,7 +188,7 @@ def describe(artifact: LoadedArtifact) -> str:
     parallel = f", tensor-parallel {ranks.world}" if isinstance(ranks, TensorParallelExecutable) else ""
     kv_cache = compiled.get("kv_cache_dtype", "auto")
     kv_cache = f", KV cache {kv_cache}" if kv_cache != "auto" else ""
-    activations = ", 8-bit activations" if compiled.get("activation_bits", 16) == 8 else ""
+    activations = ", 8-bit activations" if compiled.get("activation_bits") == 8 else ""
     return (
         f"backend {entry['backend']}, target {target}, quantization {quantization}, "
         f"dtype {compiled.get('dtype', 'f32')}{kv_cache}{activations}{parallel}"
