@@ -167,15 +167,16 @@ def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
     activation groups (each one int32, broadcast to every lane)."""
     lanes, width = isa.lanes, isa.bytes
 
-    def bytes_of(x4: Expr) -> Expr:
-        return T.reinterpret(T.broadcast(x4, lanes), dtype=f"int8x{width}")
-
     if isa.name in ("vnni512", "vnni256"):
         name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
 
         def vnni(acc: Expr, weights: Expr, x4: Expr) -> Expr:
             return T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id(name), acc, weights, bytes_of(x4), dtype=f"int32x{lanes}"
+                T.llvm_lookup_intrinsic_id(name),
+                acc,
+                weights,
+                _in_every_lane(x4, isa),
+                dtype=f"int32x{lanes}",
             )
 
         return lambda acc, w0, x0, w1, x1: vnni(vnni(acc, w0, x0), w1, x1)
@@ -192,28 +193,37 @@ def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
                 T.llvm_lookup_intrinsic_id(f"llvm.aarch64.neon.{name}.v4i32.v16i8"),
                 acc,
                 T.reinterpret(values, dtype=f"int8x{width}"),
-                bytes_of(x4),
+                _in_every_lane(x4, isa),
                 dtype=f"int32x{lanes}",
             )
 
         return lambda acc, w0, x0, w1, x1: dot(dot(acc, w0, x0), w1, x1)
 
-    products, widen = _byte_products, _widen
-
     if nibbles:  # u <= 63: 2 * (63 * 127 * 2) fits int16: add the two products before widening
         return lambda acc, w0, x0, w1, x1: (
-            acc + widen(products(w0, bytes_of(x0)) + products(w1, bytes_of(x1)))
+            acc
+            + _widen(
+                _byte_products(w0, _in_every_lane(x0, isa)) + _byte_products(w1, _in_every_lane(x1, isa))
+            )
         )
 
     def signed(weights: Expr, x4: Expr) -> Expr:  # |q| times xq with q's sign: no saturation
         q = T.reinterpret(weights ^ T.broadcast(T.uint8(128), width), dtype=f"int8x{width}")
         magnitude = T.reinterpret(T.max(q, T.broadcast(T.int8(0), width) - q), dtype=f"uint8x{width}")
         signs = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.psign.b"), bytes_of(x4), q, dtype=f"int8x{width}"
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.psign.b"),
+            _in_every_lane(x4, isa),
+            q,
+            dtype=f"int8x{width}",
         )
-        return widen(products(magnitude, signs))
+        return _widen(_byte_products(magnitude, signs))
 
     return lambda acc, w0, x0, w1, x1: acc + signed(w0, x0) + signed(w1, x1)
+
+
+def _in_every_lane(x4: Expr, isa: Isa) -> Expr:
+    """4 activation bytes (one int32) repeated in every int32 lane: isa.bytes int8 values."""
+    return T.reinterpret(T.broadcast(x4, isa.lanes), dtype=f"int8x{isa.bytes}")
 
 
 def _byte_products(unsigned: Expr, signed: Expr) -> Expr:
@@ -321,9 +331,6 @@ def int_dot_gemm_kernel(
     def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
         return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
 
-    def x_bytes(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # x4(...) in every lane
-        return T.reinterpret(T.broadcast(x4(xq, half, row, index), lanes), dtype=f"int8x{width}")
-
     def word_weights(w: Any, wj: Expr, pair: Expr, column_byte: Expr, half: int) -> Expr:
         """Words: 4 columns' weights u = q + 128 from `column_byte`, k 8 pair + 4 half + 0..3 each."""
         row_bytes = w.vload([wj, pair * 2 + half, column_byte], "int8x16")
@@ -370,11 +377,11 @@ def int_dot_gemm_kernel(
                     sums.vload([r, v * 16], "int16x16")
                     + _byte_products(
                         low.vload([v, 0], f"uint8x{width}"),
-                        x_bytes(xq, half, in_row(rows_in, row0, r), pair * 2),
+                        _in_every_lane(x4(xq, half, in_row(rows_in, row0, r), pair * 2), isa),
                     )
                     + _byte_products(
                         high.vload([v, 0], f"uint8x{width}"),
-                        x_bytes(xq, half, in_row(rows_in, row0, r), pair * 2 + 1),
+                        _in_every_lane(x4(xq, half, in_row(rows_in, row0, r), pair * 2 + 1), isa),
                     )
                 )
 
