@@ -1,25 +1,42 @@
-"""Paged attention on the CPU as TIR: write this step's K/V into the cache, then attend row by row.
+"""Paged attention on the CPU as TIR: write this step's K/V into the cache, then attend in tiles.
 
 The cache is the runtime's [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, written in
-place (Relax `call_tir_inplace`). Each (query row, head) is one parallel task with an online softmax
-over exactly the keys that row may see, so a row's result never depends on the rest of the batch.
-Rows outside every sequence (the executable's padding) get zeros.
+place (Relax `call_tir_inplace`). One parallel task attends a tile of up to `rows` consecutive query
+rows with one KV head: the tile's rows of one sequence and the head's `group` query heads make the
+task's score rows, and the task walks the keys they see in blocks of KEYS, at multiples of KEYS:
+
+    scores[s, i]  = sum_d query[s, d] * K[first + i, d]
+    online softmax per score row: a keys-wide max, exp (fast_exp.py, vectorized) and sum; keys the
+                    row may not see (causal, sliding window, past the sequence) get probability 0
+    acc[s, :]     = acc[s, :] * rescale + sum_i p[s, i] * V[first + i, :]
+
+so each K/V element loaded serves every score row of the tile. The scores are a small GEMM in one
+of two layouts: with many score rows (prefill) the block's keys are transposed once and fill the
+lanes, each query value broadcast; with at most COLUMN_LANES (decode: one row's group) the score
+rows fill the lanes and each key value is broadcast, so nothing is transposed. Either way each score
+is the same chain of multiply-adds over d, so a row's result is bit-for-bit the same whatever else
+is in its tile or batch (the key blocks do not depend on the tile either). Rows outside every
+sequence (the executable's padding) get zeros. Tasks alternate between early tiles (few keys under
+the causal mask) and late ones, so the parallel runtime's contiguous ranges of tasks carry similar
+work.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
 
+from kiln.backends.tvm.kernels.fast_exp import fast_exp
 from kiln.backends.tvm.kernels.kv_format import FP8, loaded, stored
 
-CHUNK = 16  # keys scored before each rescale of the running sums
-
-
-def _lanes(head_dim: int) -> int:
-    return math.gcd(head_dim, 16)
+KEYS = 16  # keys a block: the lanes of a score vector
+SCORE_ROWS = 4  # score rows computed together, their key vectors held in registers
+SPAN_FLOOR = 16  # a tile's rows are at least this many (or `rows`) however short the step
+COLUMN_LANES = 8  # up to this many score rows go in the lanes instead (decode), 8 keys at a time
+Expr = Any  # a TIR expression
 
 
 def kv_write_kernel(
@@ -69,6 +86,14 @@ def kv_write_kernel(
     return kv_write
 
 
+def tile_rows(group: int, head_dim: int) -> int:
+    """The most query rows a task takes: up to 64, with the tile's queries and accumulators (2 x rows x
+    group x head_dim floats) within 96 KiB. Each K/V block is loaded and transposed once for all of
+    them: at 6,000 keys, tiles of 64 rows of SmolLM2 (3 heads a group) against 16: 1.6x on Zen 3.
+    A short step takes fewer rows a tile (`span`), so that its tiles still spread over the cores."""
+    return max(1, min(64, 12288 // (group * head_dim)))
+
+
 def attention_kernel(
     heads: int,
     kv_heads: int,
@@ -78,15 +103,157 @@ def attention_kernel(
     dtype: str,
     cache_dtype: str | None = None,
 ) -> tirx.PrimFunc:
-    """One parallel task per (query row, kv head): the group's query heads share each K/V load. Keys go
-    in chunks of CHUNK: scores for the chunk, one rescale of the running sums, then the weighted V.
-    `cache_dtype` as in kv_write_kernel."""
+    """`cache_dtype` as in kv_write_kernel."""
     cache_dtype = cache_dtype or dtype
     group = heads // kv_heads
-    lanes = _lanes(head_dim)
-    chunks = head_dim // lanes
+    rows = tile_rows(group, head_dim)
+    sub = SCORE_ROWS
+    lanes = COLUMN_LANES
+    padded = max(lanes, -(-rows * group // sub) * sub)  # score rows, whole register blocks
+    part = math.gcd(head_dim, 64)  # accumulator floats a row keeps in registers while adding up V
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
-    chunk = CHUNK
+    keys = KEYS
+
+    @T.macro
+    def fold(tree, scores, s, maximum, start):
+        # tree[0] = the max or sum of start and scores[s, :]: the halves' lanes, then a chain
+        for i in T.vectorized(keys // 2):
+            tree[i] = _combine(scores[s, i], scores[s, i + keys // 2], maximum)
+        tree[0] = _combine(start, tree[0], maximum)
+        for i in T.serial(1, keys // 2):
+            tree[0] = _combine(tree[0], tree[i], maximum)
+
+    @T.macro
+    def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state):
+        # rows [lo, hi) of sequence `seq` with kv head `kvh`
+        q, cache, tables, lens, starts, out = inputs
+        key_t, value, pages, offsets, block, column, tree, added = blocks  # one key block's
+        query, query_t, acc, scores, running = rows_state  # the run's score rows'
+        count: T.let[T.int64] = hi - lo
+        first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
+        last_position: T.let[T.int64] = first_position + count - 1
+        lowest: T.let[T.int64] = T.max(T.int64(0), first_position - T.int64(window) + T.int64(1))
+        for r in T.serial(count):
+            for g in T.serial(group):
+                for d in T.vectorized(head_dim):
+                    query[r * group + g, d] = T.Cast("float32", q[lo + r, kvh * group + g, d]) * T.float32(
+                        scale
+                    )
+        # the score rows a register block or the lanes read past the run's: zeros
+        for s in T.serial(count * group, T.max(T.int64(lanes), (count * group + sub - 1) // sub * sub)):
+            for d in T.vectorized(head_dim):
+                query[s, d] = T.float32(0)
+        if count * group <= lanes:
+            for d in T.serial(head_dim):
+                for s in T.vectorized(lanes):
+                    query_t[d, s] = query[s, d]
+        for s in T.serial(count * group):
+            for d in T.vectorized(head_dim):
+                acc[s, d] = T.float32(0)
+            running[s, 0] = T.float32(-3.0e38)
+            running[s, 1] = T.float32(0)
+        # blocks start at multiples of KEYS, whatever the tile: the same sums for a row
+        for c in T.serial(last_position // keys - lowest // keys + 1):
+            first: T.let[T.int64] = (lowest // keys + c) * keys
+            for i in T.serial(keys):
+                # past the last key: the last key again, which no row of the run sees
+                key: T.let[T.int64] = T.min(first + i, last_position)
+                pages[i] = tables[seq, key // block_size]
+                offsets[i] = key % block_size
+                for d in T.vectorized(head_dim):
+                    value[i, d] = loaded(
+                        cache[layer, 1, pages[i], offsets[i], kvh, d],
+                        cache_dtype,
+                        v_scale,
+                    )
+            if count * group <= lanes:
+                # few score rows (decode): they fill the lanes, each key broadcast
+                for i8 in T.serial(keys // lanes):
+                    for u in T.unroll(lanes):
+                        for s in T.vectorized(lanes):
+                            column[u, s] = T.float32(0)
+                    for d in T.serial(head_dim):
+                        for u in T.unroll(lanes):
+                            for s in T.vectorized(lanes):
+                                column[u, s] = column[u, s] + query_t[d, s] * loaded(
+                                    cache[
+                                        layer,
+                                        0,
+                                        pages[i8 * lanes + u],
+                                        offsets[i8 * lanes + u],
+                                        kvh,
+                                        d,
+                                    ],
+                                    cache_dtype,
+                                    k_scale,
+                                )
+                    for u in T.unroll(lanes):
+                        for s in T.serial(lanes):
+                            scores[s, i8 * lanes + u] = column[u, s]
+            else:
+                # many score rows: keys transposed once, in the lanes
+                for i in T.serial(keys):
+                    for d in T.serial(head_dim):
+                        key_t[d, i] = loaded(
+                            cache[layer, 0, pages[i], offsets[i], kvh, d],
+                            cache_dtype,
+                            k_scale,
+                        )
+                for b in T.serial((count * group + sub - 1) // sub):
+                    for u in T.unroll(sub):
+                        for i in T.vectorized(keys):
+                            block[u, i] = T.float32(0)
+                    for d in T.serial(head_dim):
+                        for u in T.unroll(sub):
+                            for i in T.vectorized(keys):
+                                block[u, i] = block[u, i] + query[b * sub + u, d] * key_t[d, i]
+                    for u in T.unroll(sub):
+                        for i in T.vectorized(keys):
+                            scores[b * sub + u, i] = block[u, i]
+            for s in T.serial(count * group):
+                # the block's keys this row sees are i in [seen_from, seen_to]
+                seen_to: T.let[T.int32] = T.Cast(
+                    "int32", T.min(first_position + s // group - first, T.int64(keys))
+                )
+                seen_from: T.let[T.int32] = T.Cast(
+                    "int32",
+                    T.max(
+                        first_position + s // group - first - T.int64(window) + 1,
+                        T.int64(-1),
+                    ),
+                )
+                for i in T.vectorized(keys):
+                    scores[s, i] = T.Select(
+                        T.And(i >= seen_from, i <= seen_to),
+                        scores[s, i],
+                        T.float32(-3.0e38),
+                    )
+                fold(tree, scores, s, True, running[s, 0])
+                peak: T.let[T.float32] = tree[0]
+                running[s, 2] = fast_exp(running[s, 0] - peak)
+                running[s, 0] = peak
+                for i in T.vectorized(keys):
+                    scores[s, i] = T.Select(
+                        T.And(i >= seen_from, i <= seen_to),
+                        fast_exp(scores[s, i] - peak),
+                        T.float32(0),
+                    )
+                fold(tree, scores, s, False, running[s, 1] * running[s, 2])
+                running[s, 1] = tree[0]
+                for h in T.serial(head_dim // part):
+                    for d in T.vectorized(part):
+                        added[d] = acc[s, h * part + d] * running[s, 2]
+                    for i in T.serial(keys):
+                        for d in T.vectorized(part):
+                            added[d] = added[d] + scores[s, i] * value[i, h * part + d]
+                    for d in T.vectorized(part):
+                        acc[s, h * part + d] = added[d]
+        for r in T.serial(count):
+            for g in T.serial(group):
+                for d in T.vectorized(head_dim):
+                    out[lo + r, kvh * group + g, d] = T.Cast(
+                        dtype, acc[r * group + g, d] / running[r * group + g, 1]
+                    )
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -116,88 +283,73 @@ def attention_kernel(
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
         starts = T.match_buffer(starts_handle, (num_starts,), "int64")
         out = T.match_buffer(out_handle, (n, heads, head_dim), dtype)
-        for task in T.parallel(n * kv_heads):
+        # tiles of `span` rows: up to `rows`, fewer for a short step so that there are 8 tiles or more
+        span: T.let[T.int64] = T.max(T.int64(min(rows, SPAN_FLOOR)), T.min(T.int64(rows), n // 8))
+        # each sequence's rows in tiles, then the padding rows' (num_seqs: the padding)
+        tile_count = T.alloc_buffer((1,), "int64")
+        tile_count[0] = T.int64(0)
+        for seq in T.serial(num_seqs + 1):
+            tile_count[0] = (
+                tile_count[0]
+                + (T.if_then_else(seq < num_seqs, starts[seq + 1], n) - starts[seq] + span - 1) // span
+            )
+        for task in T.parallel(tile_count[0] * kv_heads):
             with T.sblock("attend"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((group, head_dim), "float32")
-                query = T.sblock_alloc_buffer((group, head_dim), "float32")
-                part = T.sblock_alloc_buffer((lanes,), "float32")
-                scores = T.sblock_alloc_buffer((group, chunk), "float32")
-                # max, denominator, new max, the rescale of what came before
-                running = T.sblock_alloc_buffer((group, 4), "float32")
-                owner = T.sblock_alloc_buffer((1,), "int64")
-                row: T.let[T.int64] = task // kv_heads
+                query = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                query_t = T.sblock_alloc_buffer((head_dim, lanes), "float32")
+                acc = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                key_t = T.sblock_alloc_buffer((head_dim, keys), "float32")
+                value = T.sblock_alloc_buffer((keys, head_dim), "float32")
+                pages = T.sblock_alloc_buffer((keys,), "int64")
+                offsets = T.sblock_alloc_buffer((keys,), "int64")
+                scores = T.sblock_alloc_buffer((padded, keys), "float32")
+                block = T.sblock_alloc_buffer((sub, keys), "float32")
+                column = T.sblock_alloc_buffer((lanes, lanes), "float32")
+                tree = T.sblock_alloc_buffer((keys,), "float32")
+                added = T.sblock_alloc_buffer((part,), "float32")
+                # max, denominator, the rescale of what came before
+                running = T.sblock_alloc_buffer((padded, 3), "float32")
+                tiles_before = T.sblock_alloc_buffer((1,), "int64")
+                tiles: T.let[T.int64] = tile_count[0]
+                slot: T.let[T.int64] = task // kv_heads
                 kvh: T.let[T.int64] = task % kv_heads
-                owner[0] = T.int64(-1)
-                for b in T.serial(num_seqs):
-                    if starts[b] <= row and row < starts[b + 1]:
-                        owner[0] = b
-                for g in T.serial(group):
-                    for d in T.vectorized(head_dim):
-                        acc[g, d] = T.float32(0)
-                        query[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * T.float32(scale)
-                    running[g, 0] = T.float32(-3.0e38)
-                    running[g, 1] = T.float32(0)
-                if owner[0] >= 0:
-                    seq: T.let[T.int64] = owner[0]
-                    position: T.let[T.int64] = (
-                        lens[seq] - (starts[seq + 1] - starts[seq]) + (row - starts[seq])
-                    )
-                    lowest: T.let[T.int64] = T.max(T.int64(0), position - T.int64(window) + T.int64(1))
-                    for c in T.serial((position + 1 - lowest + chunk - 1) // chunk):
-                        first: T.let[T.int64] = lowest + c * chunk
-                        count: T.let[T.int64] = T.min(T.int64(chunk), position + 1 - first)
-                        for i in T.serial(count):
-                            page: T.let[T.int64] = tables[seq, (first + i) // block_size]
-                            offset: T.let[T.int64] = (first + i) % block_size
-                            for g in T.serial(group):
-                                for lane in T.vectorized(lanes):
-                                    part[lane] = T.float32(0)
-                                for ci in T.serial(chunks):
-                                    for lane in T.vectorized(lanes):
-                                        part[lane] = part[lane] + query[g, ci * lanes + lane] * loaded(
-                                            cache[layer, 0, page, offset, kvh, ci * lanes + lane],
-                                            cache_dtype,
-                                            k_scale,
-                                        )
-                                # a tree of halving vector adds, not a chain of `lanes` dependent adds
-                                if lanes == 16:
-                                    for lane in T.vectorized(8):
-                                        part[lane] = part[lane] + part[lane + 8]
-                                if lanes >= 8:
-                                    for lane in T.vectorized(4):
-                                        part[lane] = part[lane] + part[lane + 4]
-                                if lanes >= 4:
-                                    for lane in T.vectorized(2):
-                                        part[lane] = part[lane] + part[lane + 2]
-                                scores[g, i] = part[0] + part[1]
-                        for g in T.serial(group):
-                            running[g, 2] = running[g, 0]
-                            for i in T.serial(count):
-                                running[g, 2] = T.max(running[g, 2], scores[g, i])
-                            running[g, 3] = T.exp(running[g, 0] - running[g, 2])  # once, not a lane
-                            for d in T.vectorized(head_dim):
-                                acc[g, d] = acc[g, d] * running[g, 3]
-                            running[g, 1] = running[g, 1] * running[g, 3]
-                            running[g, 0] = running[g, 2]
-                            for i in T.serial(count):
-                                scores[g, i] = T.exp(scores[g, i] - running[g, 0])
-                                running[g, 1] = running[g, 1] + scores[g, i]
-                        for i in T.serial(count):
-                            page: T.let[T.int64] = tables[seq, (first + i) // block_size]
-                            offset: T.let[T.int64] = (first + i) % block_size
-                            for g in T.serial(group):
-                                for d in T.vectorized(head_dim):
-                                    acc[g, d] = acc[g, d] + scores[g, i] * loaded(
-                                        cache[layer, 1, page, offset, kvh, d], cache_dtype, v_scale
-                                    )
-                    for g in T.serial(group):
-                        for d in T.vectorized(head_dim):
-                            out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / running[g, 1])
-                else:
-                    for g in T.serial(group):
-                        for d in T.vectorized(head_dim):
-                            out[row, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
+                tile: T.let[T.int64] = T.if_then_else(slot % 2 == 0, slot // 2, tiles - 1 - slot // 2)
+                tiles_before[0] = T.int64(0)
+                for seq in T.serial(num_seqs + 1):
+                    begin: T.let[T.int64] = starts[seq]
+                    end: T.let[T.int64] = T.if_then_else(seq < num_seqs, starts[seq + 1], n)
+                    own: T.let[T.int64] = (end - begin + span - 1) // span
+                    if tiles_before[0] <= tile and tile < tiles_before[0] + own:
+                        lo: T.let[T.int64] = begin + (tile - tiles_before[0]) * span
+                        hi: T.let[T.int64] = T.min(lo + span, end)
+                        if seq == num_seqs:
+                            for r in T.serial(hi - lo):
+                                for g in T.serial(group):
+                                    for d in T.vectorized(head_dim):
+                                        out[lo + r, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
+                        else:
+                            inputs = (q, cache, tables, lens, starts, out)
+                            blocks = (key_t, value, pages, offsets, block, column, tree, added)
+                            rows_state = (query, query_t, acc, scores, running)
+                            attend_run(
+                                seq,
+                                lo,
+                                hi,
+                                kvh,
+                                layer,
+                                k_scale,
+                                v_scale,
+                                block_size,
+                                inputs,
+                                blocks,
+                                rows_state,
+                            )
+                    tiles_before[0] = tiles_before[0] + own
 
     return attention
+
+
+def _combine(a: Expr, b: Expr, maximum: bool) -> Expr:
+    return T.max(a, b) if maximum else a + b

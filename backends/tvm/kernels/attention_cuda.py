@@ -74,10 +74,10 @@ def kv_write_kernel(
                             kvh: T.let[T.int64] = e // head_dim
                             d: T.let[T.int64] = e % head_dim
                             cache[layer, 0, page, offset, kvh, d] = stored(
-                                k[row, kvh, d], cache_dtype, k_scale
+                                k[row, kvh, d], cache_dtype, k_scale, native=True
                             )
                             cache[layer, 1, page, offset, kvh, d] = stored(
-                                v[row, kvh, d], cache_dtype, v_scale
+                                v[row, kvh, d], cache_dtype, v_scale, native=True
                             )
 
     return kv_write
@@ -171,13 +171,21 @@ def attention_kernel(
                                 state[2] = T.float32(0)
                                 for d in T.unroll(head_dim):
                                     state[2] = state[2] + q_shared[d] * loaded(
-                                        cache[layer, 0, page, offset, kvh, d], cache_dtype, k_scale
+                                        cache[layer, 0, page, offset, kvh, d],
+                                        cache_dtype,
+                                        k_scale,
+                                        native=True,
                                     )
                                 state[3] = T.max(state[0], state[2])
                                 for d in T.unroll(head_dim):
                                     acc[d] = acc[d] * T.exp(state[0] - state[3]) + T.exp(
                                         state[2] - state[3]
-                                    ) * loaded(cache[layer, 1, page, offset, kvh, d], cache_dtype, v_scale)
+                                    ) * loaded(
+                                        cache[layer, 1, page, offset, kvh, d],
+                                        cache_dtype,
+                                        v_scale,
+                                        native=True,
+                                    )
                                 state[1] = state[1] * T.exp(state[0] - state[3]) + T.exp(state[2] - state[3])
                                 state[0] = state[3]
                     max_shared[tx] = state[0]
