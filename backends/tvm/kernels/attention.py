@@ -37,6 +37,7 @@ SCORE_ROWS = 4  # score rows computed together, their key vectors held in regist
 SPAN_FLOOR = 16  # a tile's rows are at least this many (or `rows`) however short the step
 COLUMN_LANES = 8  # up to this many score rows go in the lanes instead (decode), 8 keys at a time
 Expr = Any  # a TIR expression
+CACHE_LINE = 64  # bytes
 
 
 def kv_write_kernel(
@@ -113,6 +114,7 @@ def attention_kernel(
     part = math.gcd(head_dim, 64)  # accumulator floats a row keeps in registers while adding up V
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
     keys = KEYS
+    per_line = CACHE_LINE // (1 if cache_dtype == FP8 else 2 if "16" in cache_dtype else 4)  # elements
 
     @T.macro
     def fold(tree, scores, s, maximum, start):
@@ -127,7 +129,7 @@ def attention_kernel(
     def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state):
         # rows [lo, hi) of sequence `seq` with kv head `kvh`
         q, cache, tables, lens, starts, out = inputs
-        key_t, value, pages, offsets, block, column, tree, added = blocks  # one key block's
+        key_rows, key_t, value, pages, offsets, block, column, tree, added = blocks  # one key block's
         query, query_t, acc, scores, running = rows_state  # the run's score rows'
         count: T.let[T.int64] = hi - lo
         first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
@@ -160,6 +162,30 @@ def attention_kernel(
                 key: T.let[T.int64] = T.min(first + i, last_position)
                 pages[i] = tables[seq, key // block_size]
                 offsets[i] = key % block_size
+                # the next block's rows, which a long context's cache holds in memory, not in cache
+                ahead: T.let[T.int64] = T.min(first + keys + i, last_position)
+                for line in T.serial(-(-head_dim // per_line)):
+                    for kv in T.serial(2):
+                        T.evaluate(
+                            _prefetch(
+                                T.address_of(
+                                    cache[
+                                        layer,
+                                        kv,
+                                        tables[seq, ahead // block_size],
+                                        ahead % block_size,
+                                        kvh,
+                                        line * per_line,
+                                    ]
+                                )
+                            )
+                        )
+                for d in T.vectorized(head_dim):
+                    key_rows[i, d] = loaded(
+                        cache[layer, 0, pages[i], offsets[i], kvh, d],
+                        cache_dtype,
+                        k_scale,
+                    )
                 for d in T.vectorized(head_dim):
                     value[i, d] = loaded(
                         cache[layer, 1, pages[i], offsets[i], kvh, d],
@@ -175,18 +201,7 @@ def attention_kernel(
                     for d in T.serial(head_dim):
                         for u in T.unroll(lanes):
                             for s in T.vectorized(lanes):
-                                column[u, s] = column[u, s] + query_t[d, s] * loaded(
-                                    cache[
-                                        layer,
-                                        0,
-                                        pages[i8 * lanes + u],
-                                        offsets[i8 * lanes + u],
-                                        kvh,
-                                        d,
-                                    ],
-                                    cache_dtype,
-                                    k_scale,
-                                )
+                                column[u, s] = column[u, s] + query_t[d, s] * key_rows[i8 * lanes + u, d]
                     for u in T.unroll(lanes):
                         for s in T.serial(lanes):
                             scores[s, i8 * lanes + u] = column[u, s]
@@ -194,11 +209,7 @@ def attention_kernel(
                 # many score rows: keys transposed once, in the lanes
                 for i in T.serial(keys):
                     for d in T.serial(head_dim):
-                        key_t[d, i] = loaded(
-                            cache[layer, 0, pages[i], offsets[i], kvh, d],
-                            cache_dtype,
-                            k_scale,
-                        )
+                        key_t[d, i] = key_rows[i, d]
                 for b in T.serial((count * group + sub - 1) // sub):
                     for u in T.unroll(sub):
                         for i in T.vectorized(keys):
@@ -300,6 +311,7 @@ def attention_kernel(
                 query = T.sblock_alloc_buffer((padded, head_dim), "float32")
                 query_t = T.sblock_alloc_buffer((head_dim, lanes), "float32")
                 acc = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                key_rows = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 key_t = T.sblock_alloc_buffer((head_dim, keys), "float32")
                 value = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 pages = T.sblock_alloc_buffer((keys,), "int64")
@@ -331,7 +343,7 @@ def attention_kernel(
                                         out[lo + r, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
                         else:
                             inputs = (q, cache, tables, lens, starts, out)
-                            blocks = (key_t, value, pages, offsets, block, column, tree, added)
+                            blocks = (key_rows, key_t, value, pages, offsets, block, column, tree, added)
                             rows_state = (query, query_t, acc, scores, running)
                             attend_run(
                                 seq,
@@ -353,3 +365,8 @@ def attention_kernel(
 
 def _combine(a: Expr, b: Expr, maximum: bool) -> Expr:
     return T.max(a, b) if maximum else a + b
+
+
+def _prefetch(address: Expr) -> Expr:
+    """LLVM's prefetch of the cache line at `address`: a read, kept in every cache level, data."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1))
