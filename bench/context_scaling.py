@@ -1,12 +1,16 @@
 """How a decode step's cost grows with the context: per-layer attention time at several contexts.
 
-    .venv/bin/python bench/context_scaling.py DIR [--contexts 512 2048 6000] [--steps 32]
+    .venv/bin/python bench/context_scaling.py DIR [--contexts 512 2048 6000] [--steps 32] [--prefill 512]
 
 For an artifact folder: fill the KV cache to each context with prefill steps of 512 tokens, then time
 `--steps` greedy decode steps (median step time). Attention is the only part of a decode step whose
 work grows with the context, so (step at context C − step at context 16) / layers is the attention
 time per layer at C, and dividing by C gives the cost per key, which a kernel that reuses its cache
 well keeps flat.
+
+With `--prefill N`, the same for a prefill chunk: N tokens ending at context C against the same N
+tokens at positions 0..N-1; the difference per layer is the attention over the C - N earlier keys,
+per key and query row in the last column.
 """
 
 from __future__ import annotations
@@ -45,16 +49,47 @@ def decode_step_seconds(executable, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def prefill_step_seconds(executable, context: int, rows: int, repeats: int) -> float:
+    """One step of the `rows` tokens that end at `context`, the cache filled before them (median)."""
+    blocks = -(-context // BLOCK_SIZE)
+    table = list(range(1, blocks + 1))
+    cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
+    prompt = torch.randint(100, 30000, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    start = context - rows
+    for first in range(0, start, CHUNK):
+        piece = prompt[first : min(first + CHUNK, start)]
+        executable.step(build_step_inputs([SequenceSlice(piece, first, table)], BLOCK_SIZE), cache)
+    times = []
+    for _ in range(repeats):  # the same slots rewritten with the same values each time
+        started = time.perf_counter()
+        executable.step(build_step_inputs([SequenceSlice(prompt[start:], start, table)], BLOCK_SIZE), cache)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 6000])
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=0, help="time a prefill chunk of N tokens instead")
     args = parser.parse_args()
     artifact = load_artifact(args.artifact)
     layers = int(artifact.manifest["model"]["config"]["num_hidden_layers"])
     executable = artifact.executable
     print(f"{args.artifact} ({layers} layers); load {os.getloadavg()[0]:.2f}")
+    if args.prefill:
+        rows, repeats = args.prefill, max(1, min(args.steps, 3))
+        base = prefill_step_seconds(executable, rows, rows, repeats)
+        print(f"{'context':>8} {'step ms':>8} {'attention ms/layer':>19} {'ns/key/row/layer':>17}")
+        print(f"{rows:>8} {base * 1e3:>8.1f} {'(base)':>19} {'':>17}")
+        for context in args.contexts:
+            step = prefill_step_seconds(executable, context, rows, repeats)
+            per_layer = (step - base) / layers
+            per_key = per_layer / ((context - rows) * rows) * 1e9 if context > rows else float("nan")
+            print(f"{context:>8} {step * 1e3:>8.1f} {per_layer * 1e3:>19.2f} {per_key:>17.3f}")
+        print(f"load {os.getloadavg()[0]:.2f} at the end")
+        return
     decode_step_seconds(executable, BASE_CONTEXT, 4)  # warm up
     base = decode_step_seconds(executable, BASE_CONTEXT, args.steps)
     print(f"{'context':>8} {'step ms':>8} {'attention us/layer':>19} {'ns/key/layer':>13}")

@@ -117,6 +117,18 @@ def attention_kernel(
     per_line = CACHE_LINE // (1 if cache_dtype == FP8 else 2 if "16" in cache_dtype else 4)  # elements
 
     @T.macro
+    def register_gemm(acc, broadcast, first, vectors):
+        # acc[u, v] = sum over d of broadcast[first + u, d] * vectors[d, v], acc held in registers: both
+        # score layouts, so a score is the same multiply-add chain over d in either
+        for u in T.unroll(acc.shape[0]):
+            for v in T.vectorized(acc.shape[1]):
+                acc[u, v] = T.float32(0)
+        for d in T.serial(head_dim):
+            for u in T.unroll(acc.shape[0]):
+                for v in T.vectorized(acc.shape[1]):
+                    acc[u, v] = acc[u, v] + broadcast[first + u, d] * vectors[d, v]
+
+    @T.macro
     def fold(tree, scores, s, maximum, start):
         # tree[0] = the max or sum of start and scores[s, :]: the halves' lanes, then a chain
         for i in T.vectorized(keys // 2):
@@ -195,13 +207,7 @@ def attention_kernel(
             if count * group <= lanes:
                 # few score rows (decode): they fill the lanes, each key broadcast
                 for i8 in T.serial(keys // lanes):
-                    for u in T.unroll(lanes):
-                        for s in T.vectorized(lanes):
-                            column[u, s] = T.float32(0)
-                    for d in T.serial(head_dim):
-                        for u in T.unroll(lanes):
-                            for s in T.vectorized(lanes):
-                                column[u, s] = column[u, s] + query_t[d, s] * key_rows[i8 * lanes + u, d]
+                    register_gemm(column, key_rows, i8 * lanes, query_t)
                     for u in T.unroll(lanes):
                         for s in T.serial(lanes):
                             scores[s, i8 * lanes + u] = column[u, s]
@@ -211,13 +217,7 @@ def attention_kernel(
                     for d in T.serial(head_dim):
                         key_t[d, i] = key_rows[i, d]
                 for b in T.serial((count * group + sub - 1) // sub):
-                    for u in T.unroll(sub):
-                        for i in T.vectorized(keys):
-                            block[u, i] = T.float32(0)
-                    for d in T.serial(head_dim):
-                        for u in T.unroll(sub):
-                            for i in T.vectorized(keys):
-                                block[u, i] = block[u, i] + query[b * sub + u, d] * key_t[d, i]
+                    register_gemm(block, query, b * sub, key_t)
                     for u in T.unroll(sub):
                         for i in T.vectorized(keys):
                             scores[b * sub + u, i] = block[u, i]
