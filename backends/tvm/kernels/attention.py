@@ -141,7 +141,7 @@ def attention_kernel(
     def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state):
         # rows [lo, hi) of sequence `seq` with kv head `kvh`
         q, cache, tables, lens, starts, out = inputs
-        key_rows, key_t, value, pages, offsets, block, column, tree, added = blocks  # one key block's
+        key_rows, key_t, value, block, column, tree, added = blocks  # one key block's
         query, query_t, acc, scores, running = rows_state  # the run's score rows'
         count: T.let[T.int64] = hi - lo
         first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
@@ -172,8 +172,8 @@ def attention_kernel(
             for i in T.serial(keys):
                 # past the last key: the last key again, which no row of the run sees
                 key: T.let[T.int64] = T.min(first + i, last_position)
-                pages[i] = tables[seq, key // block_size]
-                offsets[i] = key % block_size
+                page: T.let[T.int64] = tables[seq, key // block_size]
+                offset: T.let[T.int64] = key % block_size
                 # the next block's rows, which a long context's cache holds in memory, not in cache
                 ahead: T.let[T.int64] = T.min(first + keys + i, last_position)
                 for line in T.serial(-(-head_dim // per_line)):
@@ -194,13 +194,13 @@ def attention_kernel(
                         )
                 for d in T.vectorized(head_dim):
                     key_rows[i, d] = loaded(
-                        cache[layer, 0, pages[i], offsets[i], kvh, d],
+                        cache[layer, 0, page, offset, kvh, d],
                         cache_dtype,
                         k_scale,
                     )
                 for d in T.vectorized(head_dim):
                     value[i, d] = loaded(
-                        cache[layer, 1, pages[i], offsets[i], kvh, d],
+                        cache[layer, 1, page, offset, kvh, d],
                         cache_dtype,
                         v_scale,
                     )
@@ -314,8 +314,6 @@ def attention_kernel(
                 key_rows = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 key_t = T.sblock_alloc_buffer((head_dim, keys), "float32")
                 value = T.sblock_alloc_buffer((keys, head_dim), "float32")
-                pages = T.sblock_alloc_buffer((keys,), "int64")
-                offsets = T.sblock_alloc_buffer((keys,), "int64")
                 scores = T.sblock_alloc_buffer((padded, keys), "float32")
                 block = T.sblock_alloc_buffer((sub, keys), "float32")
                 column = T.sblock_alloc_buffer((lanes, lanes), "float32")
@@ -343,7 +341,7 @@ def attention_kernel(
                                         out[lo + r, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
                         else:
                             inputs = (q, cache, tables, lens, starts, out)
-                            blocks = (key_rows, key_t, value, pages, offsets, block, column, tree, added)
+                            blocks = (key_rows, key_t, value, block, column, tree, added)
                             rows_state = (query, query_t, acc, scores, running)
                             attend_run(
                                 seq,
