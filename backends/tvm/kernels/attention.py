@@ -90,7 +90,7 @@ def kv_write_kernel(
 def tile_rows(group: int, head_dim: int) -> int:
     """The most query rows a task takes: up to 64, with the tile's queries and accumulators (2 x rows x
     group x head_dim floats) within 96 KiB. Each K/V block is loaded and transposed once for all of
-    them: at 6,000 keys, tiles of 64 rows of SmolLM2 (3 heads a group) against 16: 1.6x on Zen 3.
+    them: at 6,000 keys, tiles of 64 rows of SmolLM2 (3 heads a group) against 16: 1.5x on Zen 3.
     A short step takes fewer rows a tile (`span`), so that its tiles still spread over the cores."""
     return max(1, min(64, 12288 // (group * head_dim)))
 
