@@ -32,14 +32,22 @@ CHUNK = 512
 BASE_CONTEXT = 16
 
 
-def decode_step_seconds(executable, context: int, steps: int) -> float:
-    blocks = -(-(context + steps) // BLOCK_SIZE)
+def filled_cache(executable, context: int, filled: int, capacity: int):
+    """A cache for `capacity` positions holding a random `context`-token prompt's first `filled`
+    positions (prefill steps of CHUNK); (cache, block table, prompt, the last step's logits)."""
+    blocks = -(-capacity // BLOCK_SIZE)
     table = list(range(1, blocks + 1))
     cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
     prompt = torch.randint(100, 30000, (context,), generator=torch.Generator().manual_seed(context)).tolist()
-    for start in range(0, context, CHUNK):
-        piece = prompt[start : start + CHUNK]
-        logits = executable.step(build_step_inputs([SequenceSlice(piece, start, table)], BLOCK_SIZE), cache)
+    logits = None
+    for first in range(0, filled, CHUNK):
+        piece = prompt[first : min(first + CHUNK, filled)]
+        logits = executable.step(build_step_inputs([SequenceSlice(piece, first, table)], BLOCK_SIZE), cache)
+    return cache, table, prompt, logits
+
+
+def decode_step_seconds(executable, context: int, steps: int) -> float:
+    cache, table, _, logits = filled_cache(executable, context, context, context + steps)
     token, times = int(logits[-1].argmax()), []
     for position in range(context, context + steps):
         started = time.perf_counter()
@@ -51,14 +59,8 @@ def decode_step_seconds(executable, context: int, steps: int) -> float:
 
 def prefill_step_seconds(executable, context: int, rows: int, repeats: int) -> float:
     """One step of the `rows` tokens that end at `context`, the cache filled before them (median)."""
-    blocks = -(-context // BLOCK_SIZE)
-    table = list(range(1, blocks + 1))
-    cache = allocate_kv_cache(executable, blocks + 1, BLOCK_SIZE)
-    prompt = torch.randint(100, 30000, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     start = context - rows
-    for first in range(0, start, CHUNK):
-        piece = prompt[first : min(first + CHUNK, start)]
-        executable.step(build_step_inputs([SequenceSlice(piece, first, table)], BLOCK_SIZE), cache)
+    cache, table, prompt, _ = filled_cache(executable, context, start, context)
     times = []
     for _ in range(repeats):  # the same slots rewritten with the same values each time
         started = time.perf_counter()
