@@ -10,12 +10,11 @@ task's score rows, and the task walks the keys they see in blocks of KEYS, at mu
                     row may not see (causal, sliding window, past the sequence) get probability 0
     acc[s, :]     = acc[s, :] * rescale + sum_i p[s, i] * V[first + i, :]
 
-so each K/V element loaded serves every score row of the tile. The scores are a small GEMM in one
-of two layouts: with many score rows (prefill) the block's keys are transposed once and fill the
-lanes, each query value broadcast; with at most COLUMN_LANES (decode: one row's group) the score
-rows fill the lanes and each key value is broadcast, so nothing is transposed. Either way each score
-is the same chain of multiply-adds over d, so a row's result is bit-for-bit the same whatever else
-is in its tile or batch (the key blocks do not depend on the tile either). Rows outside every
+so each K/V element loaded serves every score row of the tile. The scores are a small GEMM: the
+block's keys are transposed once (8 x 8 in registers) and fill the lanes, each query value
+broadcast, SCORE_ROWS rows a register block, for a prefill tile and a decode row alike. Each score is
+one chain of multiply-adds over d and the key blocks do not depend on the tile, so a row's result
+is bit-for-bit the same whatever else is in its tile or batch. Rows outside every
 sequence (the executable's padding) get zeros. Tasks alternate between early tiles (few keys under
 the causal mask) and late ones, so the parallel runtime's contiguous ranges of tasks carry similar
 work.
@@ -35,7 +34,6 @@ from kiln.backends.tvm.kernels.kv_format import FP8, loaded, stored
 KEYS = 16  # keys a block: the lanes of a score vector
 SCORE_ROWS = 4  # score rows computed together, their key vectors held in registers
 SPAN_FLOOR = 16  # a tile's rows are at least this many (or `rows`) however short the step
-COLUMN_LANES = 8  # up to this many score rows go in the lanes instead (decode), 8 keys at a time
 Expr = Any  # a TIR expression
 CACHE_LINE = 64  # bytes
 
@@ -109,8 +107,7 @@ def attention_kernel(
     group = heads // kv_heads
     rows = tile_rows(group, head_dim)
     sub = SCORE_ROWS
-    lanes = COLUMN_LANES
-    padded = max(lanes, -(-rows * group // sub) * sub)  # score rows, whole register blocks
+    padded = -(-rows * group // sub) * sub  # score rows, whole register blocks
     part = math.gcd(head_dim, 64)  # accumulator floats a row keeps in registers while adding up V
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
     keys = KEYS
@@ -118,8 +115,7 @@ def attention_kernel(
 
     @T.macro
     def register_gemm(acc, broadcast, first, vectors):
-        # acc[u, v] = sum over d of broadcast[first + u, d] * vectors[d, v], acc held in registers: both
-        # score layouts, so a score is the same multiply-add chain over d in either
+        # acc[u, v] = sum over d of broadcast[first + u, d] * vectors[d, v], acc held in registers
         for u in T.unroll(acc.shape[0]):
             for v in T.vectorized(acc.shape[1]):
                 acc[u, v] = T.float32(0)
@@ -141,8 +137,8 @@ def attention_kernel(
     def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state):
         # rows [lo, hi) of sequence `seq` with kv head `kvh`
         q, cache, tables, lens, starts, out = inputs
-        key_rows, key_t, value, block, column, tree, added = blocks  # one key block's
-        query, query_t, acc, scores, running = rows_state  # the run's score rows'
+        key_rows, key_t, value, block, tree, added = blocks  # one key block's
+        query, acc, scores, running = rows_state  # the run's score rows'
         count: T.let[T.int64] = hi - lo
         first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
         last_position: T.let[T.int64] = first_position + count - 1
@@ -153,14 +149,10 @@ def attention_kernel(
                     query[r * group + g, d] = T.Cast("float32", q[lo + r, kvh * group + g, d]) * T.float32(
                         scale
                     )
-        # the score rows a register block or the lanes read past the run's: zeros
-        for s in T.serial(count * group, T.max(T.int64(lanes), (count * group + sub - 1) // sub * sub)):
+        # the score rows a register block reads past the run's: zeros
+        for s in T.serial(count * group, (count * group + sub - 1) // sub * sub):
             for d in T.vectorized(head_dim):
                 query[s, d] = T.float32(0)
-        if count * group <= lanes:
-            for d in T.serial(head_dim):
-                for s in T.vectorized(lanes):
-                    query_t[d, s] = query[s, d]
         for s in T.serial(count * group):
             for d in T.vectorized(head_dim):
                 acc[s, d] = T.float32(0)
@@ -204,23 +196,26 @@ def attention_kernel(
                         cache_dtype,
                         v_scale,
                     )
-            if count * group <= lanes:
-                # few score rows (decode): they fill the lanes, each key broadcast
-                for i8 in T.serial(keys // lanes):
-                    register_gemm(column, key_rows, i8 * lanes, query_t)
-                    for u in T.unroll(lanes):
-                        for s in T.serial(lanes):
-                            scores[s, i8 * lanes + u] = column[u, s]
+            if head_dim % 8 == 0:
+                for i8 in T.serial(keys // 8):
+                    for d8 in T.serial(head_dim // 8):
+                        key_t[d8 * 8 + 0, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 0)
+                        key_t[d8 * 8 + 1, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 1)
+                        key_t[d8 * 8 + 2, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 2)
+                        key_t[d8 * 8 + 3, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 3)
+                        key_t[d8 * 8 + 4, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 4)
+                        key_t[d8 * 8 + 5, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 5)
+                        key_t[d8 * 8 + 6, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 6)
+                        key_t[d8 * 8 + 7, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 7)
             else:
-                # many score rows: keys transposed once, in the lanes
                 for i in T.serial(keys):
                     for d in T.serial(head_dim):
                         key_t[d, i] = key_rows[i, d]
-                for b in T.serial((count * group + sub - 1) // sub):
-                    register_gemm(block, query, b * sub, key_t)
-                    for u in T.unroll(sub):
-                        for i in T.vectorized(keys):
-                            scores[b * sub + u, i] = block[u, i]
+            for b in T.serial((count * group + sub - 1) // sub):
+                register_gemm(block, query, b * sub, key_t)
+                for u in T.unroll(sub):
+                    for i in T.vectorized(keys):
+                        scores[b * sub + u, i] = block[u, i]
             for s in T.serial(count * group):
                 # the block's keys this row sees are i in [seen_from, seen_to]
                 seen_to: T.let[T.int32] = T.Cast(
@@ -309,14 +304,12 @@ def attention_kernel(
                 T.reads()
                 T.writes()
                 query = T.sblock_alloc_buffer((padded, head_dim), "float32")
-                query_t = T.sblock_alloc_buffer((head_dim, lanes), "float32")
                 acc = T.sblock_alloc_buffer((padded, head_dim), "float32")
                 key_rows = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 key_t = T.sblock_alloc_buffer((head_dim, keys), "float32")
                 value = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 scores = T.sblock_alloc_buffer((padded, keys), "float32")
                 block = T.sblock_alloc_buffer((sub, keys), "float32")
-                column = T.sblock_alloc_buffer((lanes, lanes), "float32")
                 tree = T.sblock_alloc_buffer((keys,), "float32")
                 added = T.sblock_alloc_buffer((part,), "float32")
                 # max, denominator, the rescale of what came before
@@ -341,8 +334,8 @@ def attention_kernel(
                                         out[lo + r, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
                         else:
                             inputs = (q, cache, tables, lens, starts, out)
-                            blocks = (key_rows, key_t, value, block, column, tree, added)
-                            rows_state = (query, query_t, acc, scores, running)
+                            blocks = (key_rows, key_t, value, block, tree, added)
+                            rows_state = (query, acc, scores, running)
                             attend_run(
                                 seq,
                                 lo,
@@ -368,3 +361,26 @@ def _combine(a: Expr, b: Expr, maximum: bool) -> Expr:
 def _prefetch(address: Expr) -> Expr:
     """LLVM's prefetch of the cache line at `address`: a read, kept in every cache level, data."""
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1))
+
+
+_UNPACK = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])  # unpcklps, unpckhps
+_PAIRS = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])  # shufps
+_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # vperm2f128
+
+
+def _transposed(rows: Any, row0: Expr, column0: Expr, j: int) -> Expr:
+    """Column `column0 + j` of the 8 x 8 block rows[row0 : row0 + 8, column0 : column0 + 8] as 8 floats:
+    three rounds of two-vector shuffles, which LLVM makes unpck / shufps / vperm2f128 on x86 (zip /
+    trn on aarch64). The eight columns share their intermediate vectors, which LLVM computes once."""
+
+    def row(i: int) -> Expr:
+        return rows.vload([row0 + i, column0], "float32x8")
+
+    def unpacked(pair: int, high: int) -> Expr:  # rows 2 pair, 2 pair + 1 interleaved
+        return T.Shuffle([row(2 * pair), row(2 * pair + 1)], _UNPACK[high])
+
+    def paired(quad: int, high: int, upper: int) -> Expr:  # rows 4 quad .. 4 quad + 3
+        return T.Shuffle([unpacked(2 * quad, high), unpacked(2 * quad + 1, high)], _PAIRS[upper])
+
+    high, upper, second = (j >> 1) & 1, j & 1, j >> 2
+    return T.Shuffle([paired(0, high, upper), paired(1, high, upper)], _HALVES[second])
