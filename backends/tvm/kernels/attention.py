@@ -15,9 +15,14 @@ block's keys are transposed once (8 x 8 in registers) and fill the lanes, each q
 broadcast, SCORE_ROWS rows a register block, for a prefill tile and a decode row alike. Each score is
 one chain of multiply-adds over d and the key blocks do not depend on the tile, so a row's result
 is bit-for-bit the same whatever else is in its tile or batch. Rows outside every
-sequence (the executable's padding) get zeros. Tasks alternate between early tiles (few keys under
-the causal mask) and late ones, so the parallel runtime's contiguous ranges of tasks carry similar
-work.
+sequence (the executable's padding) get zeros before the parallel loop, which has tasks for real
+tiles only. Tasks alternate between early tiles (few keys under the causal mask) and late ones, so
+the parallel runtime's contiguous ranges of tasks carry similar work.
+
+Keys also go in segments of SEGMENT at multiples of SEGMENT: a score row's softmax state restarts
+in each and the segments' states are merged in order. A short step with long sequences (decode)
+splits each tile's segments over several tasks, which store their states; a second parallel loop
+merges them with the same macro in the same order, so the split changes no bits.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from kiln.backends.tvm.kernels.kv_format import FP8, loaded, stored
 KEYS = 16  # keys a block: the lanes of a score vector
 SCORE_ROWS = 4  # score rows computed together, their key vectors held in registers
 SPAN_FLOOR = 16  # a tile's rows are at least this many (or `rows`) however short the step
+SEGMENT = 256  # keys a segment: each score row's softmax state restarts there and is merged in order
+MIN_TASKS = 16  # a step with fewer tiles x KV heads splits each tile's segments over several tasks,
+SPLIT_SEGMENTS = 4  # at least this many segments a task (below 1,024 keys the second loop costs more)
 Expr = Any  # a TIR expression
 CACHE_LINE = 64  # bytes
 
@@ -134,15 +142,49 @@ def attention_kernel(
             tree[0] = _combine(tree[0], tree[i], maximum)
 
     @T.macro
-    def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state):
-        # rows [lo, hi) of sequence `seq` with kv head `kvh`
-        q, cache, tables, lens, starts, out = inputs
+    def merge(total, merged, s, peak, denominator, source):
+        # score row s: (total[s, 0] max, total[s, 1] sum, merged[s, :]) merged with a segment's
+        # (peak, denominator, source[s, :]); one macro for both phases, so the same arithmetic
+        both: T.let[T.float32] = T.max(total[s, 0], peak)
+        earlier: T.let[T.float32] = fast_exp(total[s, 0] - both)
+        total[s, 2] = fast_exp(peak - both)
+        total[s, 1] = total[s, 1] * earlier + denominator * total[s, 2]
+        for d in T.vectorized(head_dim):
+            merged[s, d] = merged[s, d] * earlier + source[s, d] * total[s, 2]
+        total[s, 0] = both
+
+    @T.macro
+    def start_merge(total, merged, count):
+        for s in T.serial(count * group):
+            total[s, 0] = T.float32(-3.0e38)
+            total[s, 1] = T.float32(0)
+            for d in T.vectorized(head_dim):
+                merged[s, d] = T.float32(0)
+
+    @T.macro
+    def write_rows(out, lo, count, kvh, total, merged):
+        for r in T.serial(count):
+            for g in T.serial(group):
+                for d in T.vectorized(head_dim):
+                    out[lo + r, kvh * group + g, d] = T.Cast(
+                        dtype, merged[r * group + g, d] / total[r * group + g, 1]
+                    )
+
+    @T.macro
+    def attend_run(seq, lo, hi, kvh, layer, k_scale, v_scale, block_size, inputs, blocks, rows_state, split):
+        # rows [lo, hi) of sequence `seq` with kv head `kvh`: this task's share of their segments
+        q, cache, tables, lens, starts, out, states = inputs
         key_rows, key_t, value, block, tree, added = blocks  # one key block's
-        query, acc, scores, running = rows_state  # the run's score rows'
+        query, acc, scores, running, total, merged = rows_state  # the run's score rows'
+        share, parts, state_base, state_rows = split  # this task's part of `parts`; where it stores
         count: T.let[T.int64] = hi - lo
         first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
         last_position: T.let[T.int64] = first_position + count - 1
         lowest: T.let[T.int64] = T.max(T.int64(0), first_position - T.int64(window) + T.int64(1))
+        segment_first: T.let[T.int64] = lowest // SEGMENT
+        per_part: T.let[T.int64] = (last_position // SEGMENT - segment_first + parts) // parts
+        mine_first: T.let[T.int64] = segment_first + share * per_part
+        mine_end: T.let[T.int64] = T.min(mine_first + per_part, last_position // SEGMENT + 1)
         for r in T.serial(count):
             for g in T.serial(group):
                 for d in T.vectorized(head_dim):
@@ -153,113 +195,158 @@ def attention_kernel(
         for s in T.serial(count * group, (count * group + sub - 1) // sub * sub):
             for d in T.vectorized(head_dim):
                 query[s, d] = T.float32(0)
-        for s in T.serial(count * group):
-            for d in T.vectorized(head_dim):
-                acc[s, d] = T.float32(0)
-            running[s, 0] = T.float32(-3.0e38)
-            running[s, 1] = T.float32(0)
-        # blocks start at multiples of KEYS, whatever the tile: the same sums for a row
-        for c in T.serial(last_position // keys - lowest // keys + 1):
-            first: T.let[T.int64] = (lowest // keys + c) * keys
-            for i in T.serial(keys):
-                # past the last key: the last key again, which no row of the run sees
-                key: T.let[T.int64] = T.min(first + i, last_position)
-                page: T.let[T.int64] = tables[seq, key // block_size]
-                offset: T.let[T.int64] = key % block_size
-                # the next block's rows, which a long context's cache holds in memory, not in cache
-                ahead: T.let[T.int64] = T.min(first + keys + i, last_position)
-                for line in T.serial(-(-head_dim // per_line)):
-                    for kv in T.serial(2):
-                        T.evaluate(
-                            _prefetch(
-                                T.address_of(
-                                    cache[
-                                        layer,
-                                        kv,
-                                        tables[seq, ahead // block_size],
-                                        ahead % block_size,
-                                        kvh,
-                                        line * per_line,
-                                    ]
+        start_merge(total, merged, count)
+        for segment in T.serial(mine_first, T.max(mine_first, mine_end)):
+            for s in T.serial(count * group):
+                for d in T.vectorized(head_dim):
+                    acc[s, d] = T.float32(0)
+                running[s, 0] = T.float32(-3.0e38)
+                running[s, 1] = T.float32(0)
+            # blocks start at multiples of KEYS and segments at multiples of SEGMENT, whatever the
+            # tile: the same sums for a row
+            block_from: T.let[T.int64] = T.max(segment * SEGMENT, lowest // keys * keys)
+            block_last: T.let[T.int64] = T.min(segment * SEGMENT + SEGMENT - 1, last_position)
+            for c in T.serial(block_last // keys - block_from // keys + 1):
+                first: T.let[T.int64] = block_from + c * keys
+                for i in T.serial(keys):
+                    # past the last key: the last key again, which no row of the run sees
+                    key: T.let[T.int64] = T.min(first + i, last_position)
+                    page: T.let[T.int64] = tables[seq, key // block_size]
+                    offset: T.let[T.int64] = key % block_size
+                    # the next block's rows, which a long context's cache holds in memory, not in cache
+                    ahead: T.let[T.int64] = T.min(first + keys + i, last_position)
+                    for line in T.serial(-(-head_dim // per_line)):
+                        for kv in T.serial(2):
+                            T.evaluate(
+                                _prefetch(
+                                    T.address_of(
+                                        cache[
+                                            layer,
+                                            kv,
+                                            tables[seq, ahead // block_size],
+                                            ahead % block_size,
+                                            kvh,
+                                            line * per_line,
+                                        ]
+                                    )
                                 )
                             )
+                    for d in T.vectorized(head_dim):
+                        key_rows[i, d] = loaded(
+                            cache[layer, 0, page, offset, kvh, d],
+                            cache_dtype,
+                            k_scale,
                         )
-                for d in T.vectorized(head_dim):
-                    key_rows[i, d] = loaded(
-                        cache[layer, 0, page, offset, kvh, d],
-                        cache_dtype,
-                        k_scale,
-                    )
-                for d in T.vectorized(head_dim):
-                    value[i, d] = loaded(
-                        cache[layer, 1, page, offset, kvh, d],
-                        cache_dtype,
-                        v_scale,
-                    )
-            if head_dim % 8 == 0:
-                for i8 in T.serial(keys // 8):
-                    for d8 in T.serial(head_dim // 8):
-                        key_t[d8 * 8 + 0, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 0)
-                        key_t[d8 * 8 + 1, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 1)
-                        key_t[d8 * 8 + 2, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 2)
-                        key_t[d8 * 8 + 3, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 3)
-                        key_t[d8 * 8 + 4, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 4)
-                        key_t[d8 * 8 + 5, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 5)
-                        key_t[d8 * 8 + 6, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 6)
-                        key_t[d8 * 8 + 7, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 7)
-            else:
-                for i in T.serial(keys):
-                    for d in T.serial(head_dim):
-                        key_t[d, i] = key_rows[i, d]
-            for b in T.serial((count * group + sub - 1) // sub):
-                register_gemm(block, query, b * sub, key_t)
-                for u in T.unroll(sub):
-                    for i in T.vectorized(keys):
-                        scores[b * sub + u, i] = block[u, i]
-            for s in T.serial(count * group):
-                # the block's keys this row sees are i in [seen_from, seen_to]
-                seen_to: T.let[T.int32] = T.Cast(
-                    "int32", T.min(first_position + s // group - first, T.int64(keys))
-                )
-                seen_from: T.let[T.int32] = T.Cast(
-                    "int32",
-                    T.max(
-                        first_position + s // group - first - T.int64(window) + 1,
-                        T.int64(-1),
-                    ),
-                )
-                for i in T.vectorized(keys):
-                    scores[s, i] = T.Select(
-                        T.And(i >= seen_from, i <= seen_to),
-                        scores[s, i],
-                        T.float32(-3.0e38),
-                    )
-                fold(tree, scores, s, True, running[s, 0])
-                peak: T.let[T.float32] = tree[0]
-                running[s, 2] = fast_exp(running[s, 0] - peak)
-                running[s, 0] = peak
-                for i in T.vectorized(keys):
-                    scores[s, i] = T.Select(
-                        T.And(i >= seen_from, i <= seen_to),
-                        fast_exp(scores[s, i] - peak),
-                        T.float32(0),
-                    )
-                fold(tree, scores, s, False, running[s, 1] * running[s, 2])
-                running[s, 1] = tree[0]
-                for h in T.serial(head_dim // part):
-                    for d in T.vectorized(part):
-                        added[d] = acc[s, h * part + d] * running[s, 2]
+                    for d in T.vectorized(head_dim):
+                        value[i, d] = loaded(
+                            cache[layer, 1, page, offset, kvh, d],
+                            cache_dtype,
+                            v_scale,
+                        )
+                if head_dim % 8 == 0:
+                    for i8 in T.serial(keys // 8):
+                        for d8 in T.serial(head_dim // 8):
+                            key_t[d8 * 8 + 0, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 0)
+                            key_t[d8 * 8 + 1, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 1)
+                            key_t[d8 * 8 + 2, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 2)
+                            key_t[d8 * 8 + 3, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 3)
+                            key_t[d8 * 8 + 4, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 4)
+                            key_t[d8 * 8 + 5, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 5)
+                            key_t[d8 * 8 + 6, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 6)
+                            key_t[d8 * 8 + 7, T.ramp(i8 * 8, 1, 8)] = _transposed(key_rows, i8 * 8, d8 * 8, 7)
+                else:
                     for i in T.serial(keys):
-                        for d in T.vectorized(part):
-                            added[d] = added[d] + scores[s, i] * value[i, h * part + d]
-                    for d in T.vectorized(part):
-                        acc[s, h * part + d] = added[d]
-        for r in T.serial(count):
-            for g in T.serial(group):
-                for d in T.vectorized(head_dim):
-                    out[lo + r, kvh * group + g, d] = T.Cast(
-                        dtype, acc[r * group + g, d] / running[r * group + g, 1]
+                        for d in T.serial(head_dim):
+                            key_t[d, i] = key_rows[i, d]
+                for b in T.serial((count * group + sub - 1) // sub):
+                    register_gemm(block, query, b * sub, key_t)
+                    for u in T.unroll(sub):
+                        for i in T.vectorized(keys):
+                            scores[b * sub + u, i] = block[u, i]
+                for s in T.serial(count * group):
+                    # the block's keys this row sees are i in [seen_from, seen_to]
+                    seen_to: T.let[T.int32] = T.Cast(
+                        "int32", T.min(first_position + s // group - first, T.int64(keys))
                     )
+                    seen_from: T.let[T.int32] = T.Cast(
+                        "int32",
+                        T.max(
+                            first_position + s // group - first - T.int64(window) + 1,
+                            T.int64(-1),
+                        ),
+                    )
+                    for i in T.vectorized(keys):
+                        scores[s, i] = T.Select(
+                            T.And(i >= seen_from, i <= seen_to),
+                            scores[s, i],
+                            T.float32(-3.0e38),
+                        )
+                    fold(tree, scores, s, True, running[s, 0])
+                    peak: T.let[T.float32] = tree[0]
+                    running[s, 2] = fast_exp(running[s, 0] - peak)
+                    running[s, 0] = peak
+                    for i in T.vectorized(keys):
+                        scores[s, i] = T.Select(
+                            T.And(i >= seen_from, i <= seen_to),
+                            fast_exp(scores[s, i] - peak),
+                            T.float32(0),
+                        )
+                    fold(tree, scores, s, False, running[s, 1] * running[s, 2])
+                    running[s, 1] = tree[0]
+                    for h in T.serial(head_dim // part):
+                        for d in T.vectorized(part):
+                            added[d] = acc[s, h * part + d] * running[s, 2]
+                        for i in T.serial(keys):
+                            for d in T.vectorized(part):
+                                added[d] = added[d] + scores[s, i] * value[i, h * part + d]
+                        for d in T.vectorized(part):
+                            acc[s, h * part + d] = added[d]
+            if parts == 1:
+                for s in T.serial(count * group):
+                    merge(total, merged, s, running[s, 0], running[s, 1], acc)
+            else:
+                for s in T.serial(count * group):
+                    row: T.let[T.int64] = (state_base + segment - segment_first) * state_rows + s
+                    states[row, 0] = running[s, 0]
+                    states[row, 1] = running[s, 1]
+                    for d in T.vectorized(head_dim):
+                        states[row, 2 + d] = acc[s, d]
+        if parts == 1:
+            write_rows(out, lo, count, kvh, total, merged)
+
+    @T.macro
+    def merge_run(seq, lo, hi, kvh, inputs, rows_state, state_base, state_rows):
+        # the split form's second phase: the segments' states in order, as attend_run merges them
+        lens, starts, out, states = inputs
+        acc, running, total, merged = rows_state
+        count: T.let[T.int64] = hi - lo
+        first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
+        last_position: T.let[T.int64] = first_position + count - 1
+        lowest: T.let[T.int64] = T.max(T.int64(0), first_position - T.int64(window) + T.int64(1))
+        start_merge(total, merged, count)
+        for segment in T.serial(last_position // SEGMENT - lowest // SEGMENT + 1):
+            for s in T.serial(count * group):
+                row: T.let[T.int64] = (state_base + segment) * state_rows + s
+                running[s, 0] = states[row, 0]
+                running[s, 1] = states[row, 1]
+                for d in T.vectorized(head_dim):
+                    acc[s, d] = states[row, 2 + d]
+                merge(total, merged, s, running[s, 0], running[s, 1], acc)
+        write_rows(out, lo, count, kvh, total, merged)
+
+    @T.macro
+    def locate(tile, span, starts, num_seqs, found):
+        # found = (sequence, first row, end row) of `tile`
+        found[0] = T.int64(0)  # tiles before the sequence's
+        for seq in T.serial(num_seqs):
+            begin: T.let[T.int64] = starts[seq]
+            end: T.let[T.int64] = starts[seq + 1]
+            own: T.let[T.int64] = (end - begin + span - 1) // span
+            if found[0] <= tile and tile < found[0] + own:
+                found[1] = seq
+                found[2] = begin + (tile - found[0]) * span
+                found[3] = T.min(found[2] + span, end)
+            found[0] = found[0] + own
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -291,20 +378,62 @@ def attention_kernel(
         out = T.match_buffer(out_handle, (n, heads, head_dim), dtype)
         # tiles of `span` rows: up to `rows`, fewer for a short step so that there are 8 tiles or more
         span: T.let[T.int64] = T.max(T.int64(min(rows, SPAN_FLOOR)), T.min(T.int64(rows), n // 8))
-        # each sequence's rows in tiles, then the padding rows' (num_seqs: the padding)
-        tile_count = T.alloc_buffer((1,), "int64")
-        tile_count[0] = T.int64(0)
-        for seq in T.serial(num_seqs + 1):
-            tile_count[0] = (
-                tile_count[0]
-                + (T.if_then_else(seq < num_seqs, starts[seq + 1], n) - starts[seq] + span - 1) // span
-            )
-        for task in T.parallel(tile_count[0] * kv_heads):
+        # the rows after the sequences' (the executable's padding): zeros, here, so that every task
+        # is real work (TVM's parallel loop gives each thread a contiguous range of tasks)
+        for r in T.serial(starts[num_seqs], n):
+            for h in T.serial(heads):
+                for d in T.vectorized(head_dim):
+                    out[r, h, d] = T.Cast(dtype, T.float32(0))
+        # each sequence's rows in tiles; the most segments a sequence has
+        sizes = T.alloc_buffer((2,), "int64")
+        sizes[0] = T.int64(0)
+        sizes[1] = T.int64(0)
+        for seq in T.serial(num_seqs):
+            sizes[0] = sizes[0] + (starts[seq + 1] - starts[seq] + span - 1) // span
+        for seq in T.serial(num_seqs):
+            sizes[1] = T.max(sizes[1], (lens[seq] + SEGMENT - 1) // SEGMENT)
+        tiles: T.let[T.int64] = sizes[0]
+        # a short step (decode) with long sequences splits each tile's segments over `parts` tasks,
+        # so that the cores share even one sequence's keys; their states go to `states`, merged in
+        # order by a second loop
+        parts: T.let[T.int64] = T.if_then_else(
+            n * kv_heads < MIN_TASKS * span,  # as `states` is sized
+            T.max(
+                T.int64(1),
+                T.min(
+                    (T.int64(MIN_TASKS) + tiles * kv_heads - 1) // T.max(tiles * kv_heads, T.int64(1)),
+                    sizes[1] // SPLIT_SEGMENTS,
+                ),
+            ),
+            T.int64(1),
+        )
+        state_rows: T.let[T.int64] = span * group
+        # sized from the arguments' shapes only (TVM allocates at the function's top): a step splits
+        # only if n * kv_heads < MIN_TASKS * span and it has fewer than MIN_TASKS tiles x heads, each
+        # at most `segments` segments
+        segments: T.let[T.int64] = (max_blocks * block_size + SEGMENT - 1) // SEGMENT
+        states = T.alloc_buffer(
+            (
+                T.if_then_else(
+                    n * kv_heads
+                    < MIN_TASKS * T.max(T.int64(min(rows, SPAN_FLOOR)), T.min(T.int64(rows), n // 8)),
+                    MIN_TASKS
+                    * ((max_blocks * block_size + SEGMENT - 1) // SEGMENT)
+                    * T.max(T.int64(min(rows, SPAN_FLOOR)), T.min(T.int64(rows), n // 8))
+                    * group,
+                    T.int64(1),
+                ),
+                head_dim + 2,
+            ),
+            "float32",
+        )
+        for task in T.parallel(tiles * kv_heads * parts):
             with T.sblock("attend"):
                 T.reads()
                 T.writes()
                 query = T.sblock_alloc_buffer((padded, head_dim), "float32")
                 acc = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                merged = T.sblock_alloc_buffer((padded, head_dim), "float32")
                 key_rows = T.sblock_alloc_buffer((keys, head_dim), "float32")
                 key_t = T.sblock_alloc_buffer((head_dim, keys), "float32")
                 value = T.sblock_alloc_buffer((keys, head_dim), "float32")
@@ -312,44 +441,56 @@ def attention_kernel(
                 block = T.sblock_alloc_buffer((sub, keys), "float32")
                 tree = T.sblock_alloc_buffer((keys,), "float32")
                 added = T.sblock_alloc_buffer((part,), "float32")
-                # max, denominator, the rescale of what came before
+                # a segment's max, denominator, the rescale of what came before; the merged ones
                 running = T.sblock_alloc_buffer((padded, 3), "float32")
-                tiles_before = T.sblock_alloc_buffer((1,), "int64")
-                tiles: T.let[T.int64] = tile_count[0]
-                slot: T.let[T.int64] = task // kv_heads
-                kvh: T.let[T.int64] = task % kv_heads
+                total = T.sblock_alloc_buffer((padded, 3), "float32")
+                found = T.sblock_alloc_buffer((4,), "int64")
+                share: T.let[T.int64] = task % parts
+                slot: T.let[T.int64] = task // parts // kv_heads
+                kvh: T.let[T.int64] = task // parts % kv_heads
                 tile: T.let[T.int64] = T.if_then_else(slot % 2 == 0, slot // 2, tiles - 1 - slot // 2)
-                tiles_before[0] = T.int64(0)
-                for seq in T.serial(num_seqs + 1):
-                    begin: T.let[T.int64] = starts[seq]
-                    end: T.let[T.int64] = T.if_then_else(seq < num_seqs, starts[seq + 1], n)
-                    own: T.let[T.int64] = (end - begin + span - 1) // span
-                    if tiles_before[0] <= tile and tile < tiles_before[0] + own:
-                        lo: T.let[T.int64] = begin + (tile - tiles_before[0]) * span
-                        hi: T.let[T.int64] = T.min(lo + span, end)
-                        if seq == num_seqs:
-                            for r in T.serial(hi - lo):
-                                for g in T.serial(group):
-                                    for d in T.vectorized(head_dim):
-                                        out[lo + r, kvh * group + g, d] = T.Cast(dtype, T.float32(0))
-                        else:
-                            inputs = (q, cache, tables, lens, starts, out)
-                            blocks = (key_rows, key_t, value, block, tree, added)
-                            rows_state = (query, acc, scores, running)
-                            attend_run(
-                                seq,
-                                lo,
-                                hi,
-                                kvh,
-                                layer,
-                                k_scale,
-                                v_scale,
-                                block_size,
-                                inputs,
-                                blocks,
-                                rows_state,
-                            )
-                    tiles_before[0] = tiles_before[0] + own
+                locate(tile, span, starts, num_seqs, found)
+                inputs = (q, cache, tables, lens, starts, out, states)
+                blocks = (key_rows, key_t, value, block, tree, added)
+                rows_state = (query, acc, scores, running, total, merged)
+                split = (share, parts, (tile * kv_heads + kvh) * segments, state_rows)
+                attend_run(
+                    found[1],
+                    found[2],
+                    found[3],
+                    kvh,
+                    layer,
+                    k_scale,
+                    v_scale,
+                    block_size,
+                    inputs,
+                    blocks,
+                    rows_state,
+                    split,
+                )
+        if parts > 1:
+            for task in T.parallel(tiles * kv_heads):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                    merged = T.sblock_alloc_buffer((padded, head_dim), "float32")
+                    running = T.sblock_alloc_buffer((padded, 3), "float32")
+                    total = T.sblock_alloc_buffer((padded, 3), "float32")
+                    found = T.sblock_alloc_buffer((4,), "int64")
+                    tile: T.let[T.int64] = task // kv_heads
+                    kvh: T.let[T.int64] = task % kv_heads
+                    locate(tile, span, starts, num_seqs, found)
+                    merge_run(
+                        found[1],
+                        found[2],
+                        found[3],
+                        kvh,
+                        (lens, starts, out, states),
+                        (acc, running, total, merged),
+                        (tile * kv_heads + kvh) * segments,
+                        state_rows,
+                    )
 
     return attention
 
