@@ -40,8 +40,8 @@ KEYS = 16  # keys a block: the lanes of a score vector
 SCORE_ROWS = 4  # score rows computed together, their key vectors held in registers
 SPAN_FLOOR = 16  # a tile's rows are at least this many (or `rows`) however short the step
 SEGMENT = 256  # keys a segment: each score row's softmax state restarts there and is merged in order
-MIN_TASKS = 16  # a step with fewer tiles x KV heads splits each tile's segments over several tasks,
-SPLIT_SEGMENTS = 4  # at least this many segments a task (below 1,024 keys the second loop costs more)
+MIN_TASKS = 16  # a step with fewer tiles x KV heads splits each tile's segments over several tasks
+SPLIT_SEGMENTS = 4  # and each such task takes at least this many (under 1,024 keys a split costs more)
 Expr = Any  # a TIR expression
 CACHE_LINE = 64  # bytes
 
