@@ -11,7 +11,14 @@ import tvm
 
 from kiln.backends.targets import Target
 from kiln.backends.tvm.cpu import llvm_target
-from kiln.backends.tvm.kernels.attention import MIN_TASKS, SEGMENT, SPAN_FLOOR, attention_kernel, tile_rows
+from kiln.backends.tvm.kernels.attention import (
+    MIN_TASKS,
+    SEGMENT,
+    SPAN_FLOOR,
+    SPLIT_SEGMENTS,
+    attention_kernel,
+    tile_rows,
+)
 from kiln.ir.ops.attention import paged_attention, to_cache
 
 BLOCK_SIZE = 16
@@ -95,25 +102,32 @@ def test_matches_reference_on_a_mixed_batch(shape, window, cache_dtype):
     assert not got[-3:].any(), "padding rows must be zeros"
 
 
-@pytest.mark.parametrize(("context", "run"), [(90, 70), (700, 150)], ids=["one-segment", "three-segments"])
+@pytest.mark.parametrize(("context", "run"), [(90, 70), (2100, 150)], ids=["one-segment", "nine-segments"])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
 def test_a_row_does_not_depend_on_its_tile(shape, window, context, run):
     """Each row of a prefill run, recomputed as a run of one and inside a run of 3 (speculative
     verification), gives the same bits: the tiles, key blocks and segments never change a row's sums.
-    The long run has enough tiles to keep each in one task; the short runs split their segments
-    over several tasks (SEGMENT keys each), merged in a second loop."""
+    With nine segments the long run has enough tiles to keep each in one task, while a row alone
+    splits its segments over several tasks, merged in a second loop; the run is also checked against
+    the reference there."""
     heads, kv_heads, head_dim = shape
     kernel = _compile(heads, kv_heads, head_dim, window, "float32")
     assert SPAN_FLOOR < run  # the run spans several tiles
     rows = tile_rows(heads // kv_heads, head_dim)
     span = max(min(rows, SPAN_FLOOR), min(rows, run // 8))  # as the kernel tiles a run
-    assert context <= SEGMENT or -(-run // span) * kv_heads >= MIN_TASKS  # the long run is not split
+    if context > SEGMENT:
+        assert -(-run // span) * kv_heads >= MIN_TASKS  # the long run is not split
+        segments = -(-(context - run + 1) // SEGMENT)  # the first row alone: one tile a KV head
+        assert min(-(-MIN_TASKS // kv_heads), segments // SPLIT_SEGMENTS) > 1  # it is split
     num_blocks = -(-context // BLOCK_SIZE) + 1
     cache = _cache(kv_heads, head_dim, num_blocks, "float32", seed=4)
     tables = _tables([context], num_blocks, seed=5)
     q = torch.randn((run, heads, head_dim), generator=torch.Generator().manual_seed(6))
     whole = _run(kernel, q, cache, tables, [context], [run])
+    if context > SEGMENT:
+        expected = _reference(q, cache, tables, [context], [run], window)
+        np.testing.assert_allclose(whole, expected, rtol=TOLERANCE["float32"], atol=TOLERANCE["float32"])
     first_position = context - run
     for row in (0, 1, 17, 33, run - 1):
         alone = _run(kernel, q[row : row + 1], cache, tables, [first_position + row + 1], [1])
