@@ -14,7 +14,7 @@ tokens/s of --decode-len steps of one token after it; output tokens/s of --strea
 requests (--stream-input-len in, --stream-output-len out, EOS ignored) through the AsyncEngine
 (llama.cpp: one context with --streams sequences, batched llama_decode); each against llama.cpp
 (the reference row where llama.cpp is missing); then the memory-bandwidth floor: the weights' bytes
-(read once per decode step) over the measured copy bandwidth, the decode tokens/s no kernel can beat
+(read once per decode step) over the measured read bandwidth, the decode tokens/s no kernel can beat
 (unless the weights sit in the CPU's cache); for a mixture-of-experts model the bytes count top_k of
 the E experts' weights (what a decode token reads) and a note gives the dense-equivalent bytes (every
 expert). Prefill and decode are medians of --repeats, throughput of
@@ -502,19 +502,24 @@ def _measure_llama_cpp(
 # -- the table -------------------------------------------------------------------------------------
 
 
-def _copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of torch's copy of a `mib` MiB float32 tensor (read + write counted), median."""
+def _read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of torch summing a `mib` MiB float32 tensor on `threads` threads (a decode step reads its
+    weights on every thread the engines use; loading a CPU artifact sets torch to one), median."""
     import torch
 
     source = torch.ones(mib * (1 << 20) // 4)
-    target = torch.empty_like(source)
-    target.copy_(source)  # fault the pages in
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.numel() * 4 / statistics.median(times)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source.sum()  # fault the pages in
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            source.sum()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return source.numel() * 4 / statistics.median(times)
 
 
 def _l3_bytes() -> int | None:
@@ -629,8 +634,8 @@ def main() -> None:
 
     prompt = draw(args.prompt_len)
     rounds = [[draw(args.stream_input_len) for _ in range(args.streams)] for _ in range(args.stream_repeats)]
-    bandwidth_start = _copy_bandwidth()
-    _say(f"copy bandwidth {bandwidth_start / 1e9:.1f} GB/s")
+    bandwidth_start = _read_bandwidth(args.threads)
+    _say(f"read bandwidth {bandwidth_start / 1e9:.1f} GB/s")
 
     results: list[Result] = []
     for key in wanted:
@@ -654,7 +659,7 @@ def main() -> None:
 
     by_key = {r.key: r for r in results if r.error is None}
     base = by_key.get(LLAMA_CPP) or by_key.get("reference")
-    bandwidth_end = _copy_bandwidth()
+    bandwidth_end = _read_bandwidth(args.threads)
     bandwidth = max(bandwidth_start, bandwidth_end)  # the ceiling is what the machine can do when least busy
     load_end = os.getloadavg()
     print()
@@ -670,7 +675,7 @@ def main() -> None:
     )
     print(
         f"load average {load_start[0]:.2f} / {load_start[1]:.2f} at start, {load_end[0]:.2f} / "
-        f"{load_end[1]:.2f} at end (1 / 5 min); copy bandwidth (read + write) "
+        f"{load_end[1]:.2f} at end (1 / 5 min); read bandwidth ({args.threads} threads) "
         f"{bandwidth_start / 1e9:.1f} GB/s at start, {bandwidth_end / 1e9:.1f} at end"
     )
     print()
@@ -678,8 +683,8 @@ def main() -> None:
     print()
     notes = [
         "ratios: prefill / decode / streams against the row named in the header",
-        "ceiling: copy bandwidth (the higher of start and end) / weight bytes, the decode tok/s if each step "
-        "read every weight once at copy speed and did nothing else (KV cache reads not counted)",
+        "ceiling: read bandwidth (the higher of start and end) / weight bytes, the decode tok/s if each step "
+        "read every weight once at that speed and did nothing else (KV cache reads not counted)",
         f"llama.cpp {args.streams}-stream: one context with {args.streams} sequences, prompts in 512-token "
         f"llama_decode batches, then one batched llama_decode per output token (not llama-server)",
         f"kiln {args.streams}-stream: AsyncEngine, max_num_seqs {args.streams}, max_num_batched_tokens 512",
