@@ -31,10 +31,11 @@ halves through vpmaddubsw and vpsignb (1.5-1.7x faster on Zen 3). A vector's 8 c
 accumulators, columns 0-3 and 4-7 with two lanes (k pairs) a column; vphaddd and a shuffle add the
 lanes at the end of each block. The integers are the same as the halves', so the results are too.
 
-AVX2, 4-bit weights: vpmaddubsw's int16 lanes add up a whole activation block (a lane holds block / 2
-products of at most 15 x 127: 30480 for 32) and widen to int32 once a block, by vpmaddwd with 255 for
-the high half and 1 for the low one, instead of a vpmaddwd and a vpaddd every 8 k (1.1-1.3x faster on
-Zen 3, the same integers). 5- and 6-bit values would overflow a block's int16 sums.
+AVX2, nibble planes: vpmaddubsw's int16 lanes add up as many rows of 8 k as fit (each puts 4
+products of at most u_max x 127 in a lane) and widen to int32 only then, by vpmaddwd with 255 for the
+high half and 1 for the low one, instead of a vpmaddwd and a vpaddd every 8 k: 4-bit values a whole
+block of 32 (30480 at most; 1.1-1.3x faster on Zen 3), 5-bit (Q5_0, Q5_1, Q5_K) half a block (31496;
+1.1x at 4 to 64 rows, 1.4x at one), 6-bit every 8 k as before. The integers are the same.
 
 Weight layout (`dot_tiled`, layouts.py): per strip, per step of 4 k (8 k for 4-bit), `tile` columns
 of 4 bytes; a 4-bit byte holds k (low nibble) and k + 4 (high nibble). So one vector load feeds
@@ -221,6 +222,13 @@ def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
     return lambda acc, w0, x0, w1, x1: acc + signed(w0, x0) + signed(w1, x1)
 
 
+def _short_pairs(block_pairs: int, plane: Plane) -> int:
+    """Pairs (8 k) whose vpmaddubsw products an int16 lane can add up: a pair puts 4 products of at
+    most u_max x 127 in a lane; the largest divisor of the block's pairs that fits (4-bit: the block)."""
+    fits = 32767 // (4 * ((1 << plane.bits) - 1) * 127)
+    return max(p for p in range(1, block_pairs + 1) if block_pairs % p == 0 and p <= max(fits, 1))
+
+
 def _in_every_lane(x4: Expr, isa: Isa) -> Expr:
     """4 activation bytes (one int32) repeated in every int32 lane: isa.bytes int8 values."""
     return T.reinterpret(T.broadcast(x4, isa.lanes), dtype=f"int8x{isa.bytes}")
@@ -304,9 +312,10 @@ def int_dot_gemm_kernel(
     offset = plane.offset if nibbles or isa.unsigned_int8 or words else 0
     halves = 1 if words else activation_bits // 8  # int16 activations v = 255 * high + low, two int8 dots
     levels = {8: 127, 16: 255 * 127}[activation_bits]  # |high|, |low| <= 127 (vpsignb negates them)
-    # AVX2, 4-bit plane: vpmaddubsw's int16 lanes hold a whole activation block's sums (block / 2
-    # products of at most 15 x 127 a lane), so they widen to int32 once a block, not every 8 k
-    short_sums = isa.name == "avx2" and nibbles and block // 2 * ((1 << plane.bits) - 1) * 127 <= 32767
+    # AVX2, nibble planes: vpmaddubsw's int16 lanes hold the sums of `short_pairs` rows of 8 k (a whole
+    # block for 4-bit values, half of one for 5-bit), so they widen to int32 that often, not every 8 k
+    short_pairs = _short_pairs(block_pairs, plane) if isa.name == "avx2" and nibbles else 1
+    short_sums = short_pairs > 1
     accumulators = 2 if words else halves  # int32 vectors a row and vector of columns
     row_block = 4 // accumulators  # rows a strip pass keeps in registers: row_block x vectors x 2
     xq_dtype = "int16" if words else "int8"
@@ -428,13 +437,13 @@ def int_dot_gemm_kernel(
                         dots[r, lane] = 0
                         if accumulators == 2:
                             dots_low[r, lane] = 0
-                if short_sums:
-                    for r in T.unroll(count):
-                        for lane in T.vectorized(nv * 16):
-                            short[r, lane] = T.int16(0)
-                            if halves == 2:
-                                short_low[r, lane] = T.int16(0)
                 for p in T.unroll(block_pairs):  # 8 k values: one nibble row of bytes, two byte rows
+                    if short_sums and p % short_pairs == 0:
+                        for r in T.unroll(count):
+                            for lane in T.vectorized(nv * 16):
+                                short[r, lane] = T.int16(0)
+                                if halves == 2:
+                                    short_low[r, lane] = T.int16(0)
                     for v in T.unroll(nv):
                         if words:
                             for h in T.unroll(2):
@@ -500,17 +509,19 @@ def int_dot_gemm_kernel(
                         dot_step(dots, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
                         if halves == 2:
                             dot_step(dots_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
-                if short_sums:
-                    for r in T.unroll(count):
-                        for v in T.unroll(nv):
-                            if halves == 2:  # 255 * high + low, the sums' bound times 255 fits int32
-                                dots[r, T.ramp(v * lanes, 1, lanes)] = _widen(
-                                    short.vload([r, v * 16], "int16x16"), 255
-                                ) + _widen(short_low.vload([r, v * 16], "int16x16"))
-                            else:
-                                dots[r, T.ramp(v * lanes, 1, lanes)] = _widen(
-                                    short.vload([r, v * 16], "int16x16")
-                                )
+                    if short_sums and p % short_pairs == short_pairs - 1:
+                        for r in T.unroll(count):
+                            for v in T.unroll(nv):
+                                if halves == 2:  # 255 * high + low, the sums' bound times 255 fits int32
+                                    dots[r, T.ramp(v * lanes, 1, lanes)] = (
+                                        dots.vload([r, v * lanes], f"int32x{lanes}")
+                                        + _widen(short.vload([r, v * 16], "int16x16"), 255)
+                                        + _widen(short_low.vload([r, v * 16], "int16x16"))
+                                    )
+                                else:
+                                    dots[r, T.ramp(v * lanes, 1, lanes)] = dots.vload(
+                                        [r, v * lanes], f"int32x{lanes}"
+                                    ) + _widen(short.vload([r, v * 16], "int16x16"))
                 if words:
                     for r in T.unroll(count):
                         for v in T.unroll(nv):

@@ -66,12 +66,12 @@ def _quantize_activations(x: np.ndarray, block: int, bits: int) -> np.ndarray:
     return (np.round(blocks / safe) * scale).reshape(x.shape)
 
 
-def _weights(spec: QuantSpec, value_bits: int | None, rng: np.random.Generator):
+def _weights(spec: QuantSpec, value_bits: int | None, rng: np.random.Generator, largest: bool = False):
+    """Random weights; `largest`: every one the plane's largest stored value."""
     bits = value_bits or spec.bits
-    if spec.scheme == "symmetric":
-        q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (N, K))
-    else:
-        q = rng.integers(0, 1 << min(bits, 7), (N, K))
+    symmetric = spec.scheme == "symmetric"
+    low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if symmetric else (0, 1 << min(bits, 7))
+    q = np.full((N, K), high - 1) if largest else rng.integers(low, high, (N, K))
     scales = rng.uniform(1e-3, 2e-2, (N, K // spec.group_size)).astype(np.float32)
     zeros = rng.uniform(-0.1, 0.1, (N, K // spec.group_size)).astype(np.float32)
     s, z = scales.repeat(spec.group_size, 1), zeros.repeat(spec.group_size, 1)
@@ -84,15 +84,17 @@ def _weights(spec: QuantSpec, value_bits: int | None, rng: np.random.Generator):
     return q, scales, zeros, dense.astype(np.float64)
 
 
-def _inputs(spec: QuantSpec, value_bits: int | None, isa_name: str):
-    """(weights model, the kernel's constant arguments, per row count the activations) for a variant."""
+def _inputs(spec: QuantSpec, value_bits: int | None, isa_name: str, largest: bool = False):
+    """(weights model, the kernel's constant arguments, per row count the activations) for a variant.
+    `largest`: the largest weights and each row one value repeated (every block quantized to +-levels),
+    so every integer lane adds up the most it ever can."""
     isa = ISAS[isa_name]
     tile = int_dot_tile(N, spec, isa)
     assert tile is not None
     plane = weight_plane(spec, value_bits)
     assert plane is not None
     rng = np.random.default_rng(spec.group_size + spec.bits)
-    q, scales, zeros, dense = _weights(spec, value_bits, rng)
+    q, scales, zeros, dense = _weights(spec, value_bits, rng, largest)
     packing = "pairs" if spec.bits == 4 else "none"
     stored = (
         pack_int4(torch.from_numpy(q).to(torch.uint8), packing)
@@ -107,8 +109,12 @@ def _inputs(spec: QuantSpec, value_bits: int | None, isa_name: str):
     constant = [a.numpy() for a in (main, high, scale_tiles, scale_tiles, zero_tiles, zero_tiles)]
     activations = {}
     for rows in ROWS:
-        x = rng.standard_normal((-(-rows // 4) * 4, K)).astype(np.float32)
-        x[:, :8] *= 20  # an outlier channel, as real activations have
+        padded = -(-rows // 4) * 4
+        if largest:
+            x = np.repeat((np.arange(padded) % 2 * 2 - 1) * 3.0, K).reshape(padded, K).astype(np.float32)
+        else:
+            x = rng.standard_normal((padded, K)).astype(np.float32)
+            x[:, :8] *= 20  # an outlier channel, as real activations have
         activations[rows] = x
     return (q, scales, zeros, dense), constant, activations
 
@@ -149,13 +155,15 @@ def _kernel(spec: QuantSpec, value_bits: int | None, variant: str, activation_bi
     return tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
 
 
-def _run(spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int) -> None:
+def _run(
+    spec: QuantSpec, value_bits: int | None, variant: str, activation_bits: int, largest: bool = False
+) -> None:
     mcpu, needs = VARIANTS[variant]
     if not needs <= host_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
     target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["x86_64"], "mcpu": mcpu})
     library = tvm.compile(_kernel(spec, value_bits, variant, activation_bits), target=target)
-    model_weights, constant, activations = _inputs(spec, value_bits, variant)
+    model_weights, constant, activations = _inputs(spec, value_bits, variant, largest)
     device = tvm.cpu()
     for rows, x in activations.items():
         args = _arguments(x, constant, rows)
@@ -177,6 +185,17 @@ def test_every_variant_and_plane(
     case: tuple[QuantSpec, int | None], variant: str, activation_bits: int
 ) -> None:
     _run(*case, variant, activation_bits)
+
+
+@pytest.mark.parametrize("case", SPECS, ids=_id)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_the_largest_sums_fit_their_lanes(
+    case: tuple[QuantSpec, int | None], variant: str, activation_bits: int
+) -> None:
+    """AVX2 adds several rows of 8 k in int16 lanes before widening (4-bit: a block, 5-bit: half of
+    one): the largest weights times +-levels must not wrap or saturate anywhere."""
+    _run(*case, variant, activation_bits, largest=True)
 
 
 @pytest.mark.slow
