@@ -98,6 +98,14 @@ def kv_cache_device(executable: Executable) -> str:
     return str(getattr(executable, "kv_cache_device", "cpu"))
 
 
+def held_weight_bytes(executable: Executable) -> dict[str, int] | None:
+    """The bytes of each weight (by its name in the artifact's weights) as the compiled code holds it,
+    after its layouts (packed planes, factored scales): the executable's `held_weight_bytes`; None for
+    one that does not say (its weights are then as in the artifact's file)."""
+    held = getattr(executable, "held_weight_bytes", None)
+    return dict(held) if held is not None else None
+
+
 def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> torch.Tensor:
     """A zeroed KV cache of `num_blocks` blocks for `executable`, where it reads it."""
     return executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))

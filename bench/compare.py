@@ -211,13 +211,20 @@ def _expert_share(config: dict[str, Any]) -> float:
     return int(config.get("num_experts_per_tok") or 0) / experts if experts else 1.0
 
 
-def _artifact_decode_bytes(path: Path, config: dict[str, Any]) -> tuple[int, int]:
-    """From the artifact's weights file; a table only gathered from is counted one row: a float X
-    beside a quantized X.qweight, and the token embedding where the LM head has weights of its own
-    (untied, or the gguf import's quantized copy of a tied table)."""
+def _artifact_decode_bytes(
+    path: Path, config: dict[str, Any], held: dict[str, int] | None = None
+) -> tuple[int, int]:
+    """From the artifact's weights file, or `held`: each weight's bytes as the compiled code holds it
+    (backends.base.held_weight_bytes; a weight it does not hold is not read). A table only gathered
+    from is counted one row: a float X beside a quantized X.qweight, and the token embedding where
+    the LM head has weights of its own (untied, or the gguf import's quantized copy of a tied table)."""
     sizes = {
-        name: (meta["data_offsets"][1] - meta["data_offsets"][0], max(1, (meta["shape"] or [1])[0]))
+        name: (
+            meta["data_offsets"][1] - meta["data_offsets"][0] if held is None else held[name],
+            max(1, (meta["shape"] or [1])[0]),
+        )
         for name, meta in _header(path).items()
+        if held is None or name in held
     }
     own_head = any(name.startswith("lm_head.weight") for name in sizes)
     embedding = {"model.embed_tokens.weight"} if own_head else set()
@@ -305,13 +312,15 @@ def _streams(
 def _measure_kiln(
     result: Result, folder: Path, prompt: list[int], args: argparse.Namespace, rounds: list[list[list[int]]]
 ) -> None:
+    from kiln.backends.base import held_weight_bytes
     from kiln.runtime.artifact import load_artifact, read_manifest
 
     artifact = load_artifact(folder)
     config = read_manifest(folder)["model"]["config"]
     weights = folder / artifact.target_entry["weights"]
-    result.weight_bytes, result.dense_bytes = _artifact_decode_bytes(weights, config)
     executable = artifact.executable
+    held = held_weight_bytes(executable)
+    result.weight_bytes, result.dense_bytes = _artifact_decode_bytes(weights, config, held)
     _prefill_decode(executable, prompt[:64], 4)  # warm up (first-call allocations, thread pools)
     runs = _runs(lambda: _prefill_decode(executable, prompt, args.decode_len), args.repeats, args.row_budget)
     result.notes += _short("prefill/decode", len(runs), args.repeats, args.row_budget)
@@ -684,7 +693,8 @@ def main() -> None:
     notes = [
         "ratios: prefill / decode / streams against the row named in the header",
         "ceiling: read bandwidth (the higher of start and end) / weight bytes, the decode tok/s if each step "
-        "read every weight once at that speed and did nothing else (KV cache reads not counted)",
+        "read every weight once at that speed and did nothing else (KV cache reads not counted); a TVM "
+        "row's weights as its kernels hold them (packed planes, factored K-quant scales)",
         f"llama.cpp {args.streams}-stream: one context with {args.streams} sequences, prompts in 512-token "
         f"llama_decode batches, then one batched llama_decode per output token (not llama-server)",
         f"kiln {args.streams}-stream: AsyncEngine, max_num_seqs {args.streams}, max_num_batched_tokens 512",

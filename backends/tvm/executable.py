@@ -160,6 +160,10 @@ class TVMExecutable:
         self.function = self.vm["step"]
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]
+        self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
+        for spec, tensor in zip(params, self._weights, strict=True):
+            size = tensor.numel() * tensor.element_size()
+            self.held_weight_bytes[spec["source"]] = self.held_weight_bytes.get(spec["source"], 0) + size
         self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
         self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs and cuda_graphs_enabled() else None
         self.staging = InputStaging(device)

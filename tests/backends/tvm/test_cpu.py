@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.backends.base import BackendError, CompileSettings
+from kiln.backends.base import BackendError, CompileSettings, held_weight_bytes
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
@@ -104,6 +104,24 @@ def test_loading_leaves_the_cores_to_tvm(tmp_path: Path, tvm_compile, make_tiny_
 
 
 @pytest.mark.slow
+def test_held_weight_bytes_are_what_the_kernels_read(tmp_path: Path, tvm_compile, make_tiny_program) -> None:
+    """bench/compare.py's bandwidth ceiling counts each weight as the compiled code holds it: every
+    laid-out parameter of step.json, 4-bit weights as packed nibbles."""
+    program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
+    options = PassOptions(quantization="int4", quantize_lm_head=True)
+    quantized, _ = PassManager(pipeline(2, options)).run(program, options)
+    held = held_weight_bytes(tvm_compile(quantized, tmp_path / "tvm"))
+    assert held is not None
+    expected: dict[str, int] = {}
+    for param in json.loads((tmp_path / "tvm" / "step.json").read_text())["params"]:
+        size = torch.empty(param["shape"], dtype=getattr(torch, param["dtype"])).nbytes
+        expected[param["source"]] = expected.get(param["source"], 0) + size
+    assert held == expected
+    packed = {name: quantized.weights[name].nbytes for name in held if name.endswith(".qweight")}
+    assert len(packed) == 2 * 4 + 1
+    assert all(held[name] == size for name, size in packed.items()), (held, packed)
+
+
 def test_engine_batch_invariance_on_tvm(smollm2_o2, smollm2_tvm, check_batch_invariance) -> None:
     check_batch_invariance(smollm2_tvm, smollm2_o2.tokenizer, "tvm")
 
