@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
+# test processes (pytest-xdist), a test file each at a time: most tests use one core, CI has two
+TEST_WORKERS ?= 2
 
 PEERS := .venv-peers
 
@@ -29,10 +31,10 @@ test-models: setup
 	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
 
 test: test-models
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: test-models
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,14 +9,15 @@ the new artifact is written beside it and swapped in whole.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -512,20 +513,42 @@ def load_or_compile(
     """`model` compiled with `options` for `targets`, from the cache, compiling it into the cache first
     where it is not there (or is damaged)."""
     folder = cache_folder(model, options, targets)
-    if is_artifact(folder):
-        try:
-            return load_artifact(folder, verdicts=verdicts_folder())
-        except ArtifactError as error:
-            logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
-    damaged = is_artifact(folder)  # replace it; otherwise a concurrent compile's entry is as good as ours
-    with progress_for(folder) if progress_for is not None else nullcontext() as progress:
-        compile_model(model, targets, options, folder, progress, keep_existing=not damaged)
-    _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
-    return load_artifact(folder, verdicts=verdicts_folder())
+    with _entry_lock(folder):  # processes starting the same model at once compile it once
+        if is_artifact(folder):
+            try:
+                return load_artifact(folder, verdicts=verdicts_folder())
+            except ArtifactError as error:
+                logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
+        damaged = is_artifact(folder)  # replace it; otherwise a concurrent compile's entry is as good as ours
+        with progress_for(folder) if progress_for is not None else nullcontext() as progress:
+            compile_model(model, targets, options, folder, progress, keep_existing=not damaged)
+        _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
+        return load_artifact(folder, verdicts=verdicts_folder())
+
+
+def _lock_file(entry: Path) -> Path:
+    return entry.with_name(f".{entry.name}.lock")
+
+
+@contextmanager
+def _entry_lock(entry: Path) -> Iterator[None]:
+    """An exclusive lock on one cache entry, held across processes (flock); where the cache cannot be
+    written no lock is taken, and the compile reports why."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        handle = _lock_file(entry).open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _evict_old_entries(cache: Path, keep: int) -> None:
-    """Keep the `keep` most recently compiled cache entries; only Kiln artifacts are ever removed."""
+    """Keep the `keep` most recently compiled cache entries; only Kiln artifacts (and their lock files)
+    are ever removed."""
     entries = [p for p in cache.iterdir() if is_artifact(p) and not p.is_symlink()]
     for stale in sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]:
         shutil.rmtree(stale, ignore_errors=True)
+        _lock_file(stale).unlink(missing_ok=True)

@@ -180,3 +180,43 @@ def test_an_artifact_is_replaced_and_force_replaces_anything(tmp_path: Path, art
     assert result.returncode == 0, result.stderr
     assert not (forced / "old.txt").exists() and (forced / "manifest.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["forced", "out"]  # no scratch left
+
+
+def test_processes_starting_one_model_at_once_compile_it_once(
+    tmp_path: Path, tiny_hf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile cache locks an entry while it is compiled, so a second start waits and loads it."""
+    import threading
+
+    from kiln import compiler
+    from kiln.backends.targets import Target
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    compiles: list[Path] = []
+    real_compile = compiler.compile_model
+
+    def counted_compile(*args, **kwargs):
+        compiles.append(args[3])
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile_model", counted_compile)
+    options = compiler.CompileOptions(backend="reference")
+    loaded: list[Path] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            loaded.append(compiler.load_or_compile(str(tiny_hf_dir), options, [Target("cpu")]).path)
+        except BaseException as error:  # reported below, with the thread's traceback
+            errors.append(error)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert len(compiles) == 1 and loaded == [compiles[0], compiles[0]]
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == sorted(
+        [compiles[0].name, f".{compiles[0].name}.lock"]
+    )

@@ -18,7 +18,7 @@ from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 TEXT = Path(__file__).parent.parent / "fixtures" / "public_domain.txt"
 WINDOW = 512
-NUM_TOKENS = 2048
+NUM_TOKENS = 1024
 
 
 def perplexity(program: Program, token_ids: list[int]) -> float:
