@@ -1,7 +1,9 @@
 """Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
-against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
-layers and LM head are random blocks of the type, prefills of 1, 4, 16 and 64 rows; and a one-layer
-Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K down)."""
+against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose eight linear
+layers and LM head are random blocks of every type in turn (a mix, as in the files people download;
+fused projections join blocks of different types), prefills of 1, 4, 16 and 64 rows; and a one-layer
+Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K down). Each type's kernel on every
+instruction set is checked alone in tvm/kernels/test_int_dot.py."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from kiln.frontend.models import model_class
 from kiln.frontend.source import ModelSource, QuantizedTensor, TokenizerInfo
 from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
-pytestmark = pytest.mark.slow  # a TVM and an ONNX Runtime compile per type
+pytestmark = pytest.mark.slow  # a TVM and an ONNX Runtime compile per model
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
 ROWS = (1, 4, 16, 64)
@@ -53,21 +55,25 @@ MOE_CONFIG = dataclasses.replace(
 )
 
 
-def _program(ggml_type: str, random_gguf_blocks, config: ModelConfig = CONFIG):
-    """The one-layer model with every linear weight (and the LM head) random blocks of `ggml_type`;
-    experts' down projections Q6_K (as in Q4_K_M files); routers float."""
+def _program(ggml_types: tuple[str, ...], random_gguf_blocks, config: ModelConfig = CONFIG):
+    """The one-layer model whose linear weights (and LM head), in name order, are random blocks of
+    `ggml_types` in turn; experts' down projections Q6_K (as in Q4_K_M files); routers float."""
     with torch.device("meta"):
         shapes = model_class(config)(config).state_dict()
     generator = torch.Generator().manual_seed(0)
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
+    linears = 0
     for seed, (name, tensor) in enumerate(sorted(shapes.items())):
         if tensor.dim() >= 2 and name != "model.embed_tokens.weight" and not name.endswith("mlp.gate.weight"):
             rows, k = tensor.shape[:-1].numel(), tensor.shape[-1]
-            kind = "Q6_K" if name.endswith("experts.down_proj.weight") else ggml_type
+            kind = ggml_types[linears % len(ggml_types)]
+            kind = "Q6_K" if name.endswith("experts.down_proj.weight") else kind
+            linears += 1
             blocks = random_gguf_blocks(kind, rows, k, seed, edges=False)
             weights[name] = QuantizedTensor(kind, tuple(tensor.shape), blocks)
         else:
             weights[name] = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+    assert linears >= len(ggml_types), (linears, ggml_types)  # every type is in the model
     tokenizer = TokenizerInfo("{}", None, None, None, False, ())
     source = ModelSource("kquant", Path("kquant.gguf"), config, weights, tokenizer)
     floats = source.float_weights()
@@ -85,13 +91,12 @@ def _logits(executable, num_rows: int) -> torch.Tensor:
     return executable.step(inputs, executable.kv_cache_spec.allocate(len(blocks) + 1, 16))
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
-def test_tvm_and_onnxruntime_match_the_reference(ggml_type: str, tmp_path: Path, random_gguf_blocks) -> None:
-    _check_backends(_program(ggml_type, random_gguf_blocks), ggml_type, tmp_path)
+def test_tvm_and_onnxruntime_match_the_reference(tmp_path: Path, random_gguf_blocks) -> None:
+    _check_backends(_program(TYPES, random_gguf_blocks), "every type", tmp_path)
 
 
 def test_q4_k_m_experts(tmp_path: Path, random_gguf_blocks) -> None:
-    program = _program("Q4_K", random_gguf_blocks, MOE_CONFIG)
+    program = _program(("Q4_K",), random_gguf_blocks, MOE_CONFIG)
     moe = next(node for node in program.graph.nodes if node.op == "quantized_moe")
     assert (moe.attrs["gate"]["bits"], moe.attrs["down"].get("value_bits")) == (4, 6)
     _check_backends(program, "Q4_K / Q6_K experts", tmp_path)

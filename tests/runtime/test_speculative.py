@@ -203,10 +203,11 @@ TASKS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "qwen2.5-coder-0.5b-instruct"])
 def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) -> None:
-    """Plain, n-gram and draft-model decoding make the same greedy tokens, alone and batched. The draft
-    is the model itself (compiled once, loaded twice: a second executable with its own cache), so every
-    draft must be accepted: any slip in the draft's cache bookkeeping would show as rejections. A draft
-    with another vocabulary is refused."""
+    """Plain, n-gram and (on SmolLM2) draft-model decoding make the same greedy tokens, alone and
+    batched. The draft is the model itself (compiled once, loaded twice: a second executable with its
+    own cache), so every draft must be accepted: any slip in the draft's cache bookkeeping would show as
+    rejections. Qwen checks verification on K-quant kernels, not the draft's bookkeeping again (a second
+    0.5B model doubles its cost), and that a draft with another vocabulary is refused."""
     from kiln.frontend.pull import kiln_home
     from kiln.llm import OptionsError
 
@@ -218,8 +219,9 @@ def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) 
     methods = {
         "plain": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
-        "draft_model": {"model": str(path), "num_speculative_tokens": 3},
     }
+    if model == "smollm2":
+        methods["draft_model"] = {"model": str(path), "num_speculative_tokens": 3}
     outputs = {}
     for method, speculative in methods.items():
         llm = kiln.LLM(str(path), max_num_seqs=4, speculative_config=speculative, show_progress=False)
@@ -246,7 +248,7 @@ def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) 
             [greedy, greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=96)],
         )
         outputs[method] = (alone, [batched["r0"], batched["r1"]])
-    assert outputs["ngram"] == outputs["plain"] == outputs["draft_model"]
+    assert all(tokens == outputs["plain"] for tokens in outputs.values())
     assert outputs["plain"][0] == outputs["plain"][1]  # batching changes nothing either
     if model != "smollm2":
         with pytest.raises(OptionsError, match=r"49,152 tokens.*151,936"):
