@@ -1,9 +1,9 @@
 """Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
-against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose eight linear
-layers and LM head are random blocks of every type in turn (a mix, as in the files people download;
-fused projections join blocks of different types), prefills of 1, 4, 16 and 64 rows; and a one-layer
-Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K down). Each type's kernel on every
-instruction set is checked alone in tvm/kernels/test_int_dot.py."""
+against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
+layers and LM head are random blocks of every type in turn (a mix, as in the files people download),
+prefills of 1, 4, 16 and 64 rows; and a one-layer Mixtral whose experts are Q4_K_M's mix (Q4_K gate
+and up, Q6_K down). Each type's kernel on every instruction set is checked alone in
+tvm/kernels/test_int_dot.py."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _program(ggml_types: tuple[str, ...], random_gguf_blocks, config: ModelConfi
     for seed, (name, tensor) in enumerate(sorted(shapes.items())):
         if tensor.dim() >= 2 and name != "model.embed_tokens.weight" and not name.endswith("mlp.gate.weight"):
             rows, k = tensor.shape[:-1].numel(), tensor.shape[-1]
-            kind = ggml_types[linears % len(ggml_types)]
-            kind = "Q6_K" if name.endswith("experts.down_proj.weight") else kind
+            expert_down = name.endswith("experts.down_proj.weight")
+            kind = "Q6_K" if expert_down else ggml_types[linears % len(ggml_types)]
             linears += 1
             blocks = random_gguf_blocks(kind, rows, k, seed, edges=False)
             weights[name] = QuantizedTensor(kind, tuple(tensor.shape), blocks)
