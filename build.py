@@ -28,8 +28,8 @@ Progress = Callable[[str, float], None]  # (stage that just ended, seconds it to
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """What the pass pipeline is asked for: level, weight quantization (None, "int8", "int4", "gguf", or
-    "auto": a GGUF's own blocks where it has quantized tensors, else none), int4 group size, float dtype."""
+    """What the pass pipeline is asked for: level, weight quantization (None, "int8", "int4", "gguf": a
+    GGUF's own blocks), int4 group size, float dtype, KV cache dtype (None: the float dtype)."""
 
     opt_level: int = 2
     quantization: str | None = None
@@ -38,12 +38,12 @@ class PipelineOptions:
     context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
     tensor_parallel_size: int = 1
     rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
-    kv_cache_dtype: str = "auto"  # or "fp8_e4m3": a float8 cache with calibrated scales
+    kv_cache_dtype: str | None = None  # or "fp8_e4m3": a float8 cache with calibrated scales
 
 
 @dataclass
 class Optimized:
-    quantization: str | None  # as resolved ("auto" never)
+    quantization: str | None
     captured: Program  # the graph as captured (O0)
     program: Program  # after the pass pipeline
     passes: list[Pass]
@@ -78,19 +78,12 @@ def runtime_tokenizer(source: ModelSource) -> Tokenizer:
     )
 
 
-def resolve_quantization(requested: str | None, source: ModelSource | None) -> str | None:
-    if requested != "auto":
-        return requested
-    return "gguf" if source is not None and gguf_blocks(source) else None
-
-
 def pass_options(options: PipelineOptions, source: ModelSource | None = None) -> PassOptions:
     """Pass options; the gguf quantization imports `source`'s GGUF blocks, the LM head's too (llama.cpp
     multiplies by them as well)."""
-    quantization = resolve_quantization(options.quantization, source)
-    gguf = quantization == "gguf"
+    gguf = options.quantization == "gguf"
     return PassOptions(
-        quantization=quantization,
+        quantization=options.quantization,
         group_size=options.group_size,
         dtype=options.dtype,
         kv_cache_dtype=options.kv_cache_dtype,

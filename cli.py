@@ -6,8 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UsageError
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -34,13 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop or [],
     )
-    llm = LLM(
-        args.model,
-        max_model_len=args.max_model_len,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        **_model_options(args),
-    )
+    llm = LLM(args.model, max_model_len=args.max_model_len, **_model_options(args))
     tokenizer = llm.get_tokenizer()
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -58,22 +53,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_options(args: argparse.Namespace) -> dict[str, str | int | None]:
-    """--backend, --quantization, --dtype, --kv-cache-dtype, --activation-bits, --target as `kiln.LLM`
-    keywords."""
-    return {
-        "backend": args.backend,
-        "quantization": args.quantization,
-        "dtype": args.dtype,
-        "kv_cache_dtype": kv_cache_dtype_arg(args.kv_cache_dtype),
-        "activation_bits": args.activation_bits,
-        "target": args.target,
-    }
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model options given on the command line, as `kiln.LLM` keywords (validated here, at once)."""
+    from kiln.compiler import ModelOptions
 
-
-def kv_cache_dtype_arg(value: str | None) -> str | None:
-    """--kv-cache-dtype as the pipeline names it (vLLM's `fp8` is e4m3)."""
-    return "fp8_e4m3" if value == "fp8" else value
+    options = ModelOptions.from_args(args)
+    return {name: getattr(options, name) for name in vars(options) if name != "model"}
 
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
@@ -115,8 +100,6 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
         **_model_options(args),
         **{name: value for name, value in sizes.items() if value is not None},
     )
@@ -145,91 +128,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_tensor_parallel_option(parser: argparse.ArgumentParser, compiling: bool = False) -> None:
-    default = "1" if compiling else "an artifact's own, else 1"
-    parser.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1 if compiling else None,
-        help=f"split the model over this many ranks, processes joined by gloo on this machine's CPU (default "
-        f"{default}); backends tvm and reference; GGUF blocks where they split on block boundaries "
-        "(docs/passes.md)",
-    )
-
-
-def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--speculative-config",
-        default=None,
-        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_max": 4}\' (drafts from each sequence\'s own tokens) or \'{"model": '
-        '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\' (drafts from a smaller model '
-        "with the same vocabulary, compiled like the model)",
-    )
-
-
-class UsageError(KilnError):
-    """A command line that asks for something impossible (exit code 2)."""
-
-
 def _compile(args: argparse.Namespace) -> int:
     import json
     from contextlib import nullcontext
 
-    from kiln.backends.base import BackendError, DeviceRequiredError
-    from kiln.backends.targets import TargetError
+    from kiln.backends.base import DeviceRequiredError
     from kiln.compiler import (
-        DEFAULT_ACTIVATION_BITS,
-        CompileOptions,
+        CompileLimits,
+        ModelOptions,
         OutputError,
-        check_activation_bits,
-        check_dtype,
-        check_kv_cache_dtype,
         check_output,
-        check_targets,
-        check_tensor_parallel,
         compile_model,
         compile_stages,
-        plan,
-        quantization_arg,
+        resolve,
     )
     from kiln.console import stage_progress
 
+    plan = resolve(ModelOptions.from_args(args))
+    targets = plan.targets
     try:
-        chosen = plan(args.backend, args.target)
-        targets = chosen.targets
-        check_targets(chosen.backend, targets)
-        check_tensor_parallel(chosen.backend, targets, args.tensor_parallel_size)
-        kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype) or "auto"
-        check_kv_cache_dtype(chosen.backend, targets, kv_cache_dtype, args.tensor_parallel_size)
-        check_dtype(targets, args.dtype)
-        activation_bits = args.activation_bits or DEFAULT_ACTIVATION_BITS
-        check_activation_bits(chosen.backend, targets, activation_bits)
         check_output(Path(args.output), args.force)
-    except (TargetError, BackendError, OutputError) as error:
+    except OutputError as error:
         raise UsageError(str(error), hint=error.hint) from None
-    options = CompileOptions(
-        backend=chosen.backend,
-        opt_level=args.opt_level,
-        quantization=quantization_arg(args.quantization),
-        group_size=args.group_size,
-        dtype=args.dtype or "f32",
-        kv_cache_dtype=kv_cache_dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        tuning_logs=_tuning_logs(args.tuning_logs),
-        num_threads=args.num_threads,
-        tensor_parallel_size=args.tensor_parallel_size,
-        activation_bits=activation_bits,
-    )
+    limits = CompileLimits(args.max_model_len, args.max_num_seqs)
     show = not (args.quiet or args.json)
     title = (
-        f"kiln: compiling {args.model} for {chosen.backend} {', '.join(t.name for t in targets)} "
-        f"({chosen.reason}) into {args.output}"
+        f"kiln: compiling {args.model} for {plan.backend} {', '.join(t.name for t in targets)} "
+        f"({plan.reason}) into {args.output}"
     )
     try:
         with stage_progress(title, compile_stages(targets)) if show else nullcontext() as progress:
-            result = compile_model(args.model, targets, options, Path(args.output), progress, args.force)
+            result = compile_model(plan, Path(args.output), limits, progress, args.force)
     except DeviceRequiredError as error:
         written = ", ".join(error.written) or "nothing"
         raise UsageError(f"{error} (kept for a builder that has one: {written})", hint=error.hint) from None
@@ -269,34 +198,23 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from kiln.backends.targets import TargetError, parse_targets
-    from kiln.build import PipelineOptions, build_program
-    from kiln.compiler import quantization_arg
+    from kiln.build import build_program
+    from kiln.compiler import ModelOptions, resolve
 
-    try:
-        targets = parse_targets(args.target)
-    except TargetError as error:
-        raise UsageError(str(error), hint=error.hint) from None
-    if len(targets) != 1 or targets[0].kind != "cpu":
+    plan = resolve(ModelOptions.from_args(args))
+    if len(plan.targets) != 1 or plan.targets[0].kind != "cpu":
         raise UsageError(f"kiln tune tunes one CPU target (cpu or cpu:<mcpu>), got {args.target!r}")
     if args.trials < 1:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
     from kiln.backends.tvm import cpu
-    from kiln.backends.tvm.backend import TVMBackend
     from kiln.backends.tvm.tuning import decode_workloads, target_folder, tune_workload
 
-    reason = TVMBackend().unsupported(targets[0])
-    if reason is not None:
-        raise UsageError(reason)
-    options = PipelineOptions(
-        args.opt_level, quantization_arg(args.quantization), args.group_size, args.dtype
-    )
-    built = build_program(args.model, options)
-    program, source = built.program, built.source
-    llvm = cpu.llvm_target(targets[0], args.num_threads)
-    logs = _tuning_logs(args.tuning_logs)
+    logs = plan.tuning_logs
     if logs is None:
         raise UsageError("kiln tune writes tuning logs: --tuning-logs names the folder (or leave it unset)")
+    built = build_program(args.model, plan.pipeline())
+    program, source = built.program, built.source
+    llvm = cpu.llvm_target(plan.targets[0], args.num_threads)
     workloads = decode_workloads(program.graph, llvm)
     print(
         f"tuning {len(workloads)} kernels of {source.name}'s decode function for {target_folder(llvm)}, "
@@ -427,14 +345,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if is_artifact(Path(args.model)):
         return _inspect_artifact(args)
-    from kiln.build import PipelineOptions, build_reference
+    from kiln.build import build_reference
+    from kiln.compiler import ModelOptions, resolve
     from kiln.ir import print_graph
     from kiln.passes.cost import matmul_flops
     from kiln.passes.memory_plan import plan_memory
 
-    built = build_reference(
-        args.model, PipelineOptions(args.opt_level, args.quantization, args.group_size, args.dtype)
-    )
+    plan = resolve(ModelOptions.from_args(args))
+    built = build_reference(args.model, plan.pipeline())
     config = built.config
     print(f"model: {built.name} ({config.architecture})")
     print(
@@ -452,7 +370,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.ir:
         print(print_graph(built.program.graph), end="")
     before, after = built.captured, built.program
-    print(f"pipeline O{args.opt_level}, quantization {args.quantization or 'none'}, dtype {args.dtype}")
+    print(f"pipeline O{args.opt_level}, quantization {plan.quantization or 'none'}, dtype {plan.dtype}")
     print(built.pass_report.table())
     print(
         f"nodes {len(before.graph.nodes)} -> {len(after.graph.nodes)}; "
@@ -484,58 +402,9 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tuning_logs(value: str | None) -> Path | None:
-    """--tuning-logs: a folder, "none", or unset for kiln's own."""
-    from kiln.compiler import default_tuning_logs
-
-    if value == "none":
-        return None
-    return Path(value) if value is not None else default_tuning_logs()
-
-
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--backend, --target, --quantization, --dtype: how a model compiles (the same for compile, serve,
-    generate and kiln.LLM). For serve and generate they apply when MODEL is not an artifact folder."""
-    from kiln.backends.registry import BACKEND_NAMES
-
-    parser.add_argument(
-        "--backend",
-        choices=["auto", *BACKEND_NAMES],
-        default="auto",
-        help="auto (default): TVM for this CPU, or for the local GPU's sm_XX; reference: the interpreter",
-    )
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="cpu, cpu:<mcpu>, cuda:sm_80..sm_90; comma-separated for compile (default: this host)",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=["auto", "none", "int8", "int4", "gguf"],
-        default="auto",
-        help="auto (default): a GGUF keeps its own quantized blocks, a float model stays float",
-    )
-    parser.add_argument(
-        "--dtype", choices=["f32", "f16", "bf16"], default=None, help="float dtype (default f32)"
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8", "fp8_e4m3"],
-        default=None,
-        help="auto (default): the float dtype; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at "
-        "compile time (TVM backend; CPUs and sm_89+)",
-    )
-    parser.add_argument(
-        "--activation-bits",
-        type=int,
-        choices=[16, 8],
-        default=None,
-        help="TVM CPU quantized linears: activations quantized to 16 bits (default; greedy tokens as "
-        "transformers float32) or 8 (llama.cpp's rounding: faster prefill and batches, logits further off)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from kiln.compiler.options import add_arguments
+
     parser = argparse.ArgumentParser(prog="kiln", description="Compile LLMs ahead of time; run them.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -553,10 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    _add_speculative_option(generate)
-    _add_tensor_parallel_option(generate)
     generate.add_argument("--max-model-len", type=int, default=None)
-    _add_model_options(generate)
+    add_arguments(generate, "generate")
     generate.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -567,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="the name clients send as `model` (default: MODEL)"
     )
-    _add_model_options(serve)
+    add_arguments(serve, "serve")
     serve.add_argument(
         "--max-model-len", type=int, default=None, help="tokens per sequence (default: min(model's, 8192))"
     )
@@ -616,8 +483,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic",
     )
-    _add_speculative_option(serve)
-    _add_tensor_parallel_option(serve)
     serve.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -628,20 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     compile_ = commands.add_parser("compile", help="compile a model ahead of time into an artifact folder")
     compile_.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
-    _add_model_options(compile_)
-    compile_.add_argument("--group-size", type=int, default=32)
-    compile_.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
+    add_arguments(compile_, "compile")
     compile_.add_argument("--max-model-len", type=int, default=None)
     compile_.add_argument("--max-num-seqs", type=int, default=16)
-    _add_tensor_parallel_option(compile_, compiling=True)
-    compile_.add_argument(
-        "--tuning-logs",
-        default=None,
-        help="MetaSchedule databases written by `kiln tune` (default: kiln's own tuning_logs/); none: skip",
-    )
-    compile_.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads the artifact runs with (default: all)"
-    )
     compile_.add_argument(
         "-o",
         "--output",
@@ -659,21 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tune", help="tune the TVM CPU decode kernels with MetaSchedule into tuning logs (for compile)"
     )
     tune.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
-    tune.add_argument("--target", default="cpu", help="cpu (this machine's CPU) or cpu:<mcpu>")
     tune.add_argument("--trials", type=int, default=32, help="MetaSchedule trials per kernel (default 32)")
-    tune.add_argument("--quantization", choices=["none", "int8", "int4", "gguf"], default="none")
-    tune.add_argument("--group-size", type=int, default=32)
-    tune.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
-    tune.add_argument("--opt-level", type=int, choices=[0, 1, 2], default=2)
-    tune.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads, as given to compile (default: all)"
-    )
-    tune.add_argument(
-        "--tuning-logs",
-        default=None,
-        help="the folder to write (default: kiln's own tuning_logs/)",
-    )
-    tune.set_defaults(run=_tune)
+    add_arguments(tune, "tune")
+    tune.set_defaults(run=_tune, backend="tvm", target="cpu", quantization="none")
 
     verify = commands.add_parser("verify", help="check an artifact: checksums, schema, load, probe logits")
     verify.add_argument("artifact")
@@ -694,12 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a model or an artifact; --ir prints the IR")
     inspect.add_argument("model")
     inspect.add_argument("--ir", action="store_true", help="print the IR after the pipeline")
-    inspect.add_argument("--opt-level", type=int, default=0, choices=[0, 1, 2])
-    inspect.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None)
-    inspect.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
-    inspect.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    add_arguments(inspect, "inspect")
     inspect.add_argument("--plan-tokens", type=int, default=512, help="prefill size for the memory plan")
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=_inspect, backend="reference", opt_level=0, quantization="none")
     return parser
 
 

@@ -13,6 +13,11 @@ class KilnError(Exception):
         return f"{text} ({self.hint})" if self.hint else text
 
 
+class UsageError(KilnError):
+    """A request for something impossible (options that contradict each other or what a backend
+    builds, an output that would destroy files): the CLI exits with code 2."""
+
+
 class ModelLoadError(KilnError):
     """A model source is missing, corrupt, or of an unsupported kind."""
 

@@ -1,13 +1,14 @@
 """The offline API, in vLLM's shape: `kiln.LLM(model).generate(prompts, kiln.SamplingParams(...))`.
 
 `model` is an artifact folder (from `kiln compile`), or a model (a known name, a GGUF file, a HF
-directory), which is compiled into the cache first (see compiler.py) for the fastest path on this host
+directory), which is compiled into the cache first (see compiler/) for the fastest path on this host
 by default: `backend="auto"` (TVM for this CPU or the local GPU), `quantization="auto"` (a GGUF keeps its
 own quantized blocks). The second start only loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -17,157 +18,84 @@ from typing import Any
 
 from kiln.build import Progress
 from kiln.compiler import (
-    AUTO,
-    DEFAULT_ACTIVATION_BITS,
-    CompileOptions,
+    ModelOptions,
+    OptionsError,
     OutputError,
-    check_activation_bits,
-    check_dtype,
-    check_kv_cache_dtype,
-    check_targets,
-    check_tensor_parallel,
+    check_artifact_options,
     compile_stages,
-    default_tuning_logs,
     load_or_compile,
-    plan,
-    quantization_arg,
+    resolve,
     verdicts_folder,
 )
 from kiln.console import stage_progress
-from kiln.errors import KilnError
 from kiln.runtime.artifact import (
     LoadedArtifact,
     close_executable,
     is_artifact,
     load_artifact,
-    read_manifest,
 )
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
-from kiln.runtime.speculative import SpeculativeConfig
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
 
-
-def _speculative(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
-    if not value:
-        return None
-    try:
-        return SpeculativeConfig.parse(value)
-    except (ValueError, TypeError) as error:
-        raise OptionsError(
-            f"speculative config {value!r}: {error}",
-            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or '
-            '{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}',
-        ) from None
+__all__ = ["LLM", "OptionsError", "describe", "open_model"]
 
 
-class OptionsError(KilnError):
-    """Compile options that contradict the artifact they were given with."""
-
-
-COMPILE_DEFAULTS = {"activation_bits": DEFAULT_ACTIVATION_BITS}  # fields older manifests lack
-
-
-def _check_artifact_options(folder: Path, asked: dict[str, Any]) -> None:
-    """An artifact runs as it was compiled: options asked for explicitly must be what it holds."""
-    manifest = read_manifest(folder)
-    compiled = manifest["compile"]
-    backends = {entry["backend"] for entry in manifest["targets"].values()}
-    for name, value in asked.items():
-        held = backends if name == "backend" else {compiled.get(name, COMPILE_DEFAULTS.get(name)) or "none"}
-        if value not in (None, AUTO) and value not in held:
-            flag = "--" + name.replace("_", "-")
-            raise OptionsError(
-                f"{folder} is an artifact compiled with {name} {', '.join(sorted(map(str, held)))}, "
-                f"not {value}",
-                hint=f"drop {flag} to run it as compiled, or compile the model again with {flag} {value}",
-            )
-
-
-def open_model(
-    model: str,
-    *,
-    backend: str = AUTO,
-    quantization: str | None = AUTO,
-    dtype: str | None = None,
-    kv_cache_dtype: str | None = None,
-    activation_bits: int | None = None,
-    target: str | None = None,
-    tensor_parallel_size: int | None = None,
-    show_progress: bool = True,
-) -> LoadedArtifact:
-    """An artifact folder as it is, or `model` compiled (once, into the cache) with these options.
-    `tensor_parallel_size`: an artifact's own where None; a model's is 1 then."""
-    path = Path(model)
+def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtifact:
+    """An artifact folder as it is (the compiled options asked for must be what it holds), or the model
+    compiled (once, into the cache) as `compiler.resolve` plans it."""
+    path = Path(options.model)
     if is_artifact(path):
-        asked = {
-            "backend": backend,
-            "quantization": quantization,
-            "dtype": dtype,
-            "kv_cache_dtype": kv_cache_dtype,
-            "activation_bits": activation_bits,
-        }
-        _check_artifact_options(path, asked)
+        check_artifact_options(path, options)
         return load_artifact(
-            path, target=target, verdicts=verdicts_folder(), tensor_parallel_size=tensor_parallel_size
+            path,
+            target=options.target,
+            verdicts=verdicts_folder(),
+            tensor_parallel_size=options.tensor_parallel_size,
         )
     if torchrun_rank() is not None:
         raise OptionsError(
-            f"{model}: under torchrun, ranks run an artifact folder, not a model to compile",
+            f"{options.model}: under torchrun, ranks run an artifact folder, not a model to compile",
             hint="compile it first: kiln compile MODEL --tensor-parallel-size N -o DIR; give every node DIR",
         )
-    world = tensor_parallel_size or 1
-    chosen = plan(backend, "cpu" if world > 1 and target is None else target)
-    check_targets(chosen.backend, chosen.targets)
-    check_tensor_parallel(chosen.backend, chosen.targets, world)
-    check_kv_cache_dtype(chosen.backend, chosen.targets, kv_cache_dtype or "auto", world)
-    check_dtype(chosen.targets, dtype)
-    activation_bits = activation_bits or DEFAULT_ACTIVATION_BITS
-    check_activation_bits(chosen.backend, chosen.targets, activation_bits)
-    options = CompileOptions(
-        backend=chosen.backend,
-        quantization=quantization_arg(quantization),
-        dtype=dtype or "f32",
-        kv_cache_dtype=kv_cache_dtype or "auto",
-        tuning_logs=default_tuning_logs() if chosen.backend == "tvm" else None,
-        tensor_parallel_size=world,
-        activation_bits=activation_bits,
-    )
+    plan = resolve(options)
 
     @contextmanager
     def progress_for(folder: Path) -> Iterator[Progress | None]:
         if not show_progress:
             yield None
             return
-        targets = ", ".join(t.name for t in chosen.targets)
-        ranks = f", {world} tensor-parallel ranks" if world > 1 else ""
-        title = (
-            f"kiln: first start of {model}: compiling for {chosen.backend} {targets} ({chosen.reason}), "
-            f"quantization {quantization or 'none'}{ranks}, into {folder}"
+        targets = ", ".join(t.name for t in plan.targets)
+        ranks = (
+            f", {plan.tensor_parallel_size} tensor-parallel ranks" if plan.tensor_parallel_size > 1 else ""
         )
-        with stage_progress(title, compile_stages(chosen.targets)) as progress:
+        title = (
+            f"kiln: first start of {plan.model}: compiling for {plan.backend} {targets} ({plan.reason}), "
+            f"quantization {plan.quantization or 'none'}{ranks}, into {folder}"
+        )
+        with stage_progress(title, compile_stages(plan.targets)) as progress:
             yield progress
 
     try:
-        return load_or_compile(model, options, chosen.targets, progress_for)
+        return load_or_compile(plan, progress_for)
     except OutputError as error:
         raise OptionsError(f"the compile cache cannot be written: {error}", hint=error.hint) from None
 
 
-def open_draft(model: str, target_artifact: LoadedArtifact, **options: Any) -> LoadedArtifact:
-    """The draft model of speculative decoding, opened as `open_model` does; its vocabulary must be the
-    target's (the verifier compares token ids)."""
-    draft = open_model(model, **options)
+def open_draft(options: ModelOptions, target_artifact: LoadedArtifact, show_progress: bool) -> LoadedArtifact:
+    """The draft model of speculative decoding, opened with the target's options; its vocabulary must be
+    the target's (the verifier compares token ids)."""
+    draft = open_model(options, show_progress)
     if draft.vocab_size != target_artifact.vocab_size:
         raise OptionsError(
-            f"draft model {model} has a vocabulary of {draft.vocab_size:,} tokens and "
+            f"draft model {options.model} has a vocabulary of {draft.vocab_size:,} tokens and "
             f"{target_artifact.model_name} one of {target_artifact.vocab_size:,}; a draft must share the "
             "target's vocabulary",
             hint="pick a smaller model of the same family (same tokenizer), or method ngram",
@@ -186,8 +114,8 @@ def describe(artifact: LoadedArtifact) -> str:
     quantization = compiled.get("quantization") or "none"
     ranks = artifact.executable
     parallel = f", tensor-parallel {ranks.world}" if isinstance(ranks, TensorParallelExecutable) else ""
-    kv_cache = compiled.get("kv_cache_dtype", "auto")
-    kv_cache = f", KV cache {kv_cache}" if kv_cache != "auto" else ""
+    kv_cache = compiled.get("kv_cache_dtype")
+    kv_cache = f", KV cache {kv_cache}" if kv_cache not in (None, "auto") else ""  # auto: older manifests
     activations = ", 8-bit activations" if compiled.get("activation_bits") == 8 else ""
     return (
         f"backend {entry['backend']}, target {target}, quantization {quantization}, "
@@ -196,16 +124,13 @@ def describe(artifact: LoadedArtifact) -> str:
 
 
 class LLM:
+    """`model` and its model options (`kiln.compiler.ModelOptions`: backend, target, quantization, dtype,
+    kv_cache_dtype, activation_bits, tensor_parallel_size, speculative_config), then the engine's limits."""
+
     def __init__(
         self,
         model: str,
         *,
-        backend: str = AUTO,
-        quantization: str | None = AUTO,
-        dtype: str | None = None,
-        kv_cache_dtype: str | None = None,
-        activation_bits: int | None = None,
-        target: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -214,35 +139,18 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
-        speculative_config: str | dict[str, Any] | None = None,
-        tensor_parallel_size: int | None = None,
         show_progress: bool = True,
+        **options: Any,
     ) -> None:
-        self.artifact = open_model(
-            model,
-            backend=backend,
-            quantization=quantization,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            activation_bits=activation_bits,
-            target=target,
-            tensor_parallel_size=tensor_parallel_size,
-            show_progress=show_progress,
-        )
-        speculative = _speculative(speculative_config)
+        self.options = ModelOptions.create(model, **options)
+        self.artifact = open_model(self.options, show_progress)
+        speculative = self.options.speculative_config
         self.draft_artifact = None
         if speculative is not None and speculative.model is not None:
-            self.draft_artifact = open_draft(
-                speculative.model,
-                self.artifact,
-                backend=backend,
-                quantization=quantization,
-                dtype=dtype,
-                kv_cache_dtype=kv_cache_dtype,
-                activation_bits=activation_bits,
-                target=target,
-                show_progress=show_progress,
+            draft_options = dataclasses.replace(
+                self.options, model=speculative.model, speculative_config=None, tensor_parallel_size=None
             )
+            self.draft_artifact = open_draft(draft_options, self.artifact, show_progress)
         config = EngineConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,

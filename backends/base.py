@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from kiln.backends.targets import Target
+from kiln.backends.targets import FLOAT8_HINT, Target, bfloat16_refusal, float8_kv_cache_refusal
 from kiln.errors import KilnError
 from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, StepInputs
 
@@ -26,6 +27,95 @@ class DeviceRequiredError(BackendError):
     def __init__(self, message: str, *, written: list[str] | None = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.written = written or []
+
+
+QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4", "gguf")  # None: float weights
+FLOAT8_KV_CACHE = "fp8_e4m3"
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What a plan asks one backend to build for one target, every choice made. `kv_cache_dtype`: None
+    (the float dtype) or FLOAT8_KV_CACHE."""
+
+    quantization: str | None
+    dtype: str
+    kv_cache_dtype: str | None
+    activation_bits: int
+    tensor_parallel_size: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a backend cannot build something: `option` is the keyword of the option that asked for it
+    (`kv_cache_dtype`; the CLI flag is `--kv-cache-dtype`), None where the target itself is the cause."""
+
+    reason: str
+    option: str | None = None
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend builds for one target, as data. A request outside it is refused with the reason
+    the backend gives for that option in `why_not` (`unavailable`: the target cannot be built here at all)."""
+
+    unavailable: Refusal | None = None
+    quantizations: frozenset[str | None] = frozenset(QUANTIZATIONS)
+    dtypes: frozenset[str] = frozenset({"f32", "f16", "bf16"})
+    float8_kv_cache: bool = False
+    activation_bits: frozenset[int] = frozenset({16})
+    tensor_parallel: bool = False
+    why_not: Mapping[str, Refusal] = field(default_factory=dict)
+
+    def refusal(self, request: BuildRequest) -> Refusal | None:
+        """The first thing of `request` outside these capabilities, None where all of it builds."""
+        if self.unavailable is not None:
+            return self.unavailable
+        builds = {
+            "quantization": request.quantization in self.quantizations,
+            "dtype": request.dtype in self.dtypes,
+            "kv_cache_dtype": request.kv_cache_dtype is None or self.float8_kv_cache,
+            "activation_bits": request.activation_bits in self.activation_bits,
+            "tensor_parallel_size": request.tensor_parallel_size == 1 or self.tensor_parallel,
+        }
+        for option, supported in builds.items():
+            if not supported:
+                value = getattr(request, option)
+                return self.why_not.get(option) or Refusal(f"{option} {value} is not supported", option)
+        return None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a target's hardware computes in, whatever the backend (bfloat16 from sm_80, float8
+    conversions from sm_89; CPUs convert in software), with why not the rest."""
+
+    dtypes: frozenset[str]
+    float8: bool
+    why_not: dict[str, Refusal]
+
+    @classmethod
+    def of(cls, target: Target) -> Hardware:
+        why_not = {}
+        bfloat16 = bfloat16_refusal(target)
+        if bfloat16 is not None:
+            why_not["dtype"] = Refusal(bfloat16, "dtype", hint=f"use --dtype f16 for {target.name}")
+        float8 = float8_kv_cache_refusal(target)
+        if float8 is not None:
+            why_not["kv_cache_dtype"] = Refusal(float8, "kv_cache_dtype", hint=FLOAT8_HINT)
+        dtypes = frozenset({"f32", "f16"} if bfloat16 is not None else {"f32", "f16", "bf16"})
+        return cls(dtypes, float8 is None, why_not)
+
+
+def integer_dot_refusal(where: str) -> Refusal:
+    """8-bit activations are a choice of the TVM backend's CPU integer-dot kernels; `where` is the
+    backend or target that has none."""
+    return Refusal(
+        f"--activation-bits 8 applies to the TVM backend's CPU integer-dot kernels, not {where}",
+        "activation_bits",
+        hint="compile with --backend tvm for cpu targets, or drop --activation-bits",
+    )
 
 
 @dataclass(frozen=True)
@@ -130,8 +220,8 @@ class Backend(Protocol):
         """What must match between compile and load (the backend's own version string)."""
         ...
 
-    def unsupported(self, target: Target) -> str | None:
-        """Why this backend cannot build `target` here, or None."""
+    def capabilities(self, target: Target) -> Capabilities:
+        """What this backend builds for `target` on this machine, and why not the rest."""
         ...
 
     def compile(

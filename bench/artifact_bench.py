@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from kiln.backends.base import allocate_kv_cache
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 

@@ -245,7 +245,7 @@ def _artifact_decode_bytes(
 def _prefill_decode(executable: Executable, prompt: list[int], decode_len: int) -> tuple[float, float]:
     """(prompt tokens/s of one step over the whole prompt, tokens/s of `decode_len` greedy steps)."""
     from kiln.backends.base import allocate_kv_cache
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     num_blocks = -(-(len(prompt) + decode_len) // BLOCK_SIZE)
     cache = allocate_kv_cache(executable, num_blocks, BLOCK_SIZE)
@@ -608,7 +608,7 @@ def main() -> None:
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))  # before any TVM runtime starts
     import torch
 
-    from kiln.compiler import source_digest
+    from kiln.compiler.source_digest import source_digest
     from kiln.frontend.pull import kiln_home, resolve_model
 
     torch.set_num_threads(args.threads)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from kiln.build import build_reference
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 

@@ -53,7 +53,7 @@ GROUNDED = ("rewrite code", "quote passage")
 def step_ms(executable: Any, rows: int, context: int = 300) -> float:
     """The median time of a step computing `rows` tokens of one sequence at `context` tokens."""
     from kiln.backends.base import allocate_kv_cache
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     cache = allocate_kv_cache(executable, 64, 16)
     table = list(range(1, 1 + (context + rows) // 16 + 1))
@@ -73,16 +73,16 @@ def step_ms(executable: Any, rows: int, context: int = 300) -> float:
 def measure(llm: Any, prompt: list[int], params: Any, repeats: int) -> tuple[float, float, list[int]]:
     """Median tokens/s, the acceptance rate of the timed runs' drafts, and the tokens."""
     llm.generate(prompt, params)  # warm up
-    stats = llm.engine.stats
-    drafted, accepted = stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens
+    stats = llm.engine.stats.speculative
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     runs = []
     tokens: list[int] = []
     for _ in range(repeats):
         start = time.perf_counter()
         tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
         runs.append(len(tokens) / (time.perf_counter() - start))
-    new_drafts = stats.num_spec_draft_tokens - drafted
-    acceptance = (stats.num_spec_accepted_tokens - accepted) / new_drafts if new_drafts else 0.0
+    new_drafts = stats.num_draft_tokens - drafted
+    acceptance = (stats.num_accepted_tokens - accepted) / new_drafts if new_drafts else 0.0
     return statistics.median(runs), acceptance, tokens
 
 

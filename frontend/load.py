@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.gguf_loader import load_gguf
+from kiln.frontend.gguf_loader import QUANTIZED_TYPES, load_gguf, open_gguf
 from kiln.frontend.hf_loader import load_hf_dir
 from kiln.frontend.pull import resolve_model
 from kiln.frontend.source import ModelSource
@@ -22,6 +22,20 @@ def load_model(name_or_path: str) -> ModelSource:
         f"{path}: neither a GGUF file nor a model directory",
         hint="pass a .gguf file, a HF checkpoint directory with config.json, or a known model name",
     )
+
+
+def holds_gguf_blocks(name_or_path: str) -> bool:
+    """Whether the model is a GGUF with quantized tensors (blocks a compile can keep as they are); reads
+    the file's header only."""
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() or len(ggufs) != 1:
+            return False
+        path = ggufs[0]
+    if not (path.suffix == ".gguf" or _has_gguf_magic(path)):
+        return False
+    return any(tensor.tensor_type.name in QUANTIZED_TYPES for tensor in open_gguf(path).tensors)
 
 
 def _load_dir(path: Path) -> ModelSource:

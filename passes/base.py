@@ -12,7 +12,7 @@ from kiln.ir import Program
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 DTYPES = ("f32", "f16", "bf16")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model's float dtype
+KV_CACHE_DTYPES = (None, "fp8_e4m3")  # None: the model's float dtype
 
 
 class PassError(KilnError):
@@ -27,14 +27,14 @@ class PassOptions:
     zero point) or "gguf" (import the GGUF blocks in `gguf_blocks` without re-quantizing).
     gguf_blocks: param name → (ggml type name, raw uint8 blocks, one row of blocks per output row).
     quantize_lm_head: also quantize the LM head (the embedding is a gather and is never quantized).
-    kv_cache_dtype: "auto" (the model's float dtype) or "fp8_e4m3" (kv_cache.py).
+    kv_cache_dtype: None (the model's float dtype) or "fp8_e4m3" (kv_cache.py).
     """
 
     quantization: str | None = None
     group_size: int = 32
     quantize_lm_head: bool = False
     dtype: str = "f32"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | None = None
     gguf_blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +50,7 @@ class PassOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise PassError(
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}",
-                hint=f"choose one of {', '.join(KV_CACHE_DTYPES)}",
+                hint="choose fp8_e4m3, or None for the model's float dtype",
             )
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ir import KV_CACHE_INPUT, Graph, Program, TensorType, Value
+from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, TensorType, Value, verify
 from kiln.ir.builder import GraphBuilder
+from kiln.ir.interpreter import check_weights, interpret
 from kiln.ir.ops.attention import FP8_MAX
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes.base import Pass, PassError, PassOptions
 
 HEADROOM = 4.0
@@ -25,11 +27,14 @@ CALIBRATION_SEED = 0
 BLOCK_SIZE = 16
 
 
+def _zero_cache(graph: Graph, num_blocks: int) -> torch.Tensor:
+    cache = graph.input(KV_CACHE_INPUT).type
+    layers, two, _, _, kv_heads, head_dim = cache.shape
+    return torch.zeros((layers, two, num_blocks, BLOCK_SIZE, kv_heads, head_dim), dtype=DTYPES[cache.dtype])
+
+
 def calibrated_scales(program: Program) -> dict[int, tuple[float, float]]:
     """layer → (key scale, value scale) from one seeded prefill through the reference interpreter."""
-    from kiln.backends.reference import ReferenceExecutable
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
-
     graph = program.graph
     if any(node.op.startswith("all_") for node in graph.nodes):
         raise PassError(
@@ -51,9 +56,11 @@ def calibrated_scales(program: Program) -> dict[int, tuple[float, float]]:
         )
         for s in range(CALIBRATION_SEQUENCES)
     ]
-    reference = ReferenceExecutable(graph, program.weights)
-    cache = reference.kv_cache_spec.allocate(1 + CALIBRATION_SEQUENCES * blocks, BLOCK_SIZE)
-    reference.step(build_step_inputs(slices, BLOCK_SIZE), cache)
+    verify(graph)
+    check_weights(graph, program.weights)
+    cache = _zero_cache(graph, 1 + CALIBRATION_SEQUENCES * blocks)
+    inputs = {**build_step_inputs(slices, BLOCK_SIZE).as_dict(), KV_CACHE_INPUT: cache}
+    interpret(graph, program.weights, inputs)
     scales = {}
     for layer in range(cache.shape[0]):
         key_max = max(float(cache[layer, 0].abs().max()), 1e-6)

@@ -385,7 +385,7 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
 
 def probe_logits(artifact: LoadedArtifact) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits now, logits recorded at compile time) for the artifact's probe prompt."""
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     probe = artifact.target_entry["probe"]
     token_ids = probe["token_ids"]

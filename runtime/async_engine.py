@@ -7,6 +7,9 @@ generator early (a client disconnecting) aborts the request, which frees its blo
 Any failure on the loop thread (a step, a command, a listener) other than a ValueError refusing one
 request stops the engine: `dead` is set, every stream in flight raises EngineDeadError, and so does
 every later `generate`. `shutdown` stops the engine the same way.
+
+What a server needs of the engine is here, safe to call from any thread: the settings fixed at start,
+`validate`, `compile_grammar` and `stats`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
+from kiln.runtime.speculative.decoder import SpeculativeStats
+from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +49,60 @@ class _Stream:
             pass
 
 
+@dataclass(frozen=True)
+class EngineStatsSnapshot:
+    """The engine's gauges and counters, as `AsyncEngine.stats` read them."""
+
+    num_running: int  # sequences in the batch
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    speculative: SpeculativeStats | None  # None: speculative decoding is off
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()  # a stream is registered before death or learns of it
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.dead: BaseException | None = None
+        self._dead: BaseException | None = None
         self._on_step: list[Callable[[list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
         self._thread.start()
+
+    # -- what the engine was started with (fixed, so read from any thread) ----------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._engine.scheduler.config.max_num_seqs
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped; None while it serves."""
+        return self._dead
+
+    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> tuple[list[int], int]:
+        """The prompt's token ids and its max_tokens, or a ValueError saying what does not fit; reads
+        only the engine's settings, so any thread may ask."""
+        return self._engine.validate(prompt, params)
+
+    def compile_grammar(self, constraint: StructuredOutput) -> None:
+        """Compile `constraint` (once: compiled grammars are cached), blocking the calling thread; a
+        GrammarError says why it does not compile."""
+        self._engine.grammars.compile(constraint)
 
     def add_step_listener(self, listener: Callable[[list[RequestOutput]], None]) -> None:
         """Called on the loop thread after every step (metrics)."""
@@ -71,9 +117,9 @@ class AsyncEngine:
         """
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
-        token_ids, _ = self.engine.validate(prompt, params)
+        token_ids, _ = self.validate(prompt, params)
         if params.structured_output is not None:  # compiled off the engine loop; a GrammarError is a 400
-            await asyncio.wrap_future(self.engine.grammars.submit(params.structured_output))
+            await asyncio.wrap_future(self._engine.grammars.submit(params.structured_output))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             self._raise_if_dead()
@@ -97,7 +143,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort(request_id))
+        self._submit(lambda: self._engine.abort(request_id))
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -105,23 +151,23 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams) -> None:
         try:
-            self.engine.add_request(request_id, token_ids, params)
+            self._engine.add_request(request_id, token_ids, params)
             if prompt is not None:
-                self.engine.requests[request_id].prompt = prompt
+                self._engine.requests[request_id].prompt = prompt
         except ValueError as error:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put(error)
 
     def _raise_if_dead(self) -> None:
-        if self.dead is not None:
+        if self._dead is not None:
             raise self._dead_error()
 
     def _dead_error(self) -> EngineDeadError:
         """A new error each time: one instance raised in several streams would pile up tracebacks."""
-        if isinstance(self.dead, EngineDeadError):
-            return EngineDeadError(str(self.dead))
-        return EngineDeadError(f"the engine loop failed: {type(self.dead).__name__}: {self.dead}")
+        if isinstance(self._dead, EngineDeadError):
+            return EngineDeadError(str(self._dead))
+        return EngineDeadError(f"the engine loop failed: {type(self._dead).__name__}: {self._dead}")
 
     def _loop(self) -> None:
         try:
@@ -137,10 +183,10 @@ class AsyncEngine:
             self._wake.clear()  # before draining: a command queued from here on sets it again
             while not self._commands.empty():
                 self._commands.get()()
-            if not self.engine.has_unfinished_requests():
+            if not self._engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)
                 continue
-            outputs = self.engine.step()
+            outputs = self._engine.step()
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -151,13 +197,13 @@ class AsyncEngine:
     def _stop_serving(self, reason: BaseException) -> None:
         """Mark the engine dead and fail every stream; commands still queued never run."""
         with self._streams_lock:
-            self.dead = reason
+            self._dead = reason
             streams = list(self._streams.values())
         for stream in streams:
             stream.put(self._dead_error())
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished_requests() and self._commands.empty()
+        return not self._engine.has_unfinished_requests() and self._commands.empty()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread, waiting at most `timeout` seconds for its step in progress."""
@@ -167,10 +213,27 @@ class AsyncEngine:
         if self._thread.is_alive():
             logger.warning("the engine loop did not stop within %.1f s (a step may be stuck)", timeout)
 
-    def stats(self) -> dict[str, Any]:
-        engine = self.engine
-        return {
-            "num_running": engine.num_running,
-            "num_waiting": engine.num_waiting,
-            "kv_cache_usage": engine.kv_cache_usage,
-        }
+    def stats(self) -> EngineStatsSnapshot:
+        """Read from any thread while the loop thread changes them; a gauge that cannot be read (the
+        loop thread keeps changing what it counts) reads 0."""
+        engine = self._engine
+        num_running, num_waiting, kv_cache_usage = self._gauges()
+        counters = engine.stats
+        return EngineStatsSnapshot(
+            num_running,
+            num_waiting,
+            kv_cache_usage,
+            counters.num_prompt_tokens,
+            counters.num_generation_tokens,
+            engine.scheduler.num_preemptions,
+            counters.speculative.copy() if engine.spec_decoder is not None else None,
+        )
+
+    def _gauges(self) -> tuple[int, int, float]:
+        engine = self._engine
+        for _ in range(10):
+            try:
+                return engine.num_running, engine.num_waiting, engine.kv_cache_usage
+            except RuntimeError:  # a dict changed size while counted: read again
+                continue
+        return 0, 0, 0.0

@@ -1,10 +1,10 @@
 """LLMEngine: add requests, step, abort. One step = schedule → run the executable's step → sample →
-update (stops, detokenization, outputs)."""
+update (stops, detokenization, outputs). With speculative decoding (speculative/), drafts are proposed
+before scheduling and the speculating sequences' rows are verified instead of sampled."""
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,22 +12,19 @@ from typing import Any
 import torch
 
 from kiln.backends.base import Executable, kv_cache_device
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.draft_model import DraftModelProposer
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, SequenceStatus
-from kiln.runtime.speculative import propose_ngram
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.runtime.speculative.decoder import SpeculativeDecoder, SpeculativeStats
+from kiln.runtime.speculative.proposer import make_proposer
 from kiln.runtime.structured_output import Grammars
 from kiln.runtime.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
-SPEC_LOG_EVERY = 200  # speculating sequence-steps between acceptance log lines
 
 
 @dataclass
@@ -36,10 +33,7 @@ class EngineStats:
     num_generation_tokens: int = 0  # tokens sampled
     num_computed_tokens: int = 0  # tokens run through the step (prefix-cache hits are not)
     num_steps: int = 0
-    num_spec_drafts: int = 0  # speculating sequence-steps
-    num_spec_draft_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    spec_accepted_at: list[int] = field(default_factory=list)  # accepted drafts by position
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 @dataclass
@@ -78,9 +72,15 @@ class LLMEngine:
         self.kv_cache_plan = plan_kv_cache(self.config, specs, self.max_model_len, cache_device)
         self.num_blocks = self.kv_cache_plan.num_blocks
         self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size, cache_device)
-        self.drafter = (
-            DraftModelProposer(draft, self.num_blocks, self.block_size, tokenizer.vocab_size)
-            if draft is not None
+        self.stats = EngineStats()
+        self.spec_decoder = (
+            SpeculativeDecoder(
+                spec,
+                make_proposer(spec, draft, self.num_blocks, self.block_size, tokenizer.vocab_size),
+                self.max_model_len,
+                self.stats.speculative,
+            )
+            if spec is not None
             else None
         )
         self.kv = KVCacheManager(
@@ -88,7 +88,6 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
         self._states: dict[str, _SequenceState] = {}
         self._held: dict[str, list[Sequence]] = {}  # n > 1: samples that wait for the prompt's blocks
         self._arrivals = itertools.count()
@@ -208,12 +207,13 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        self._propose_drafts()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
-        if self.drafter is not None:
-            self._draft_with_model(scheduled.chunks)
+        if self.spec_decoder is not None:
+            self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
         logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
@@ -242,93 +242,9 @@ class LLMEngine:
             self._sample_and_update(logits, to_sample, touched)
         for seq, first_row, num_drafts in to_verify:
             self._verify(seq, logits[first_row : first_row + num_drafts + 1], num_drafts, touched)
-        for chunk in scheduled.chunks:
-            chunk.seq.draft_token_ids = []
-            chunk.seq.draft_probs = None
+        if self.spec_decoder is not None:
+            self.spec_decoder.end_step(scheduled.chunks)
         return [self._output(request) for request in touched.values()]
-
-    def _propose_drafts(self) -> None:
-        """Drafts for the running sequences about to decode one token: n-gram ones, or as many
-        placeholders as the draft model will fill once the scheduler has given them blocks."""
-        spec = self.config.speculative
-        if spec is None:
-            return
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                continue
-            limit = min(
-                spec.num_speculative_tokens,
-                seq.request.max_tokens - len(seq.output_token_ids) - 1,
-                self.max_model_len - seq.num_tokens - 1,
-            )
-            if spec.method == "ngram":
-                seq.draft_token_ids = propose_ngram(seq.all_token_ids, spec, limit)
-            else:
-                seq.draft_token_ids = [0] * max(0, limit)
-
-    def _draft_with_model(self, chunks: list[ScheduledChunk]) -> None:
-        """The draft model mirrors the step and puts its tokens in place of the placeholders, for the
-        drafts that were scheduled."""
-        assert self.drafter is not None
-        drafts = self.drafter.propose(chunks, self.kv.block_table, set(self.scheduler.running))
-        for chunk in chunks:
-            if chunk.num_drafts:
-                chunk.seq.draft_token_ids = drafts[chunk.seq.seq_id].token_ids
-                chunk.seq.draft_probs = drafts[chunk.seq.seq_id].probs
-
-    def _verify(
-        self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
-    ) -> None:
-        """Sample each row in order (a draft's row by the rejection rule) while the token equals the next
-        draft (speculative.py)."""
-        drafts = seq.draft_token_ids[:num_drafts]
-        probs = seq.draft_probs
-        state = self._states[seq.seq_id]
-        request = seq.request
-        touched[request.request_id] = request
-        self._release_held(request)  # the prompt's last token may be the one that speculates
-        accepted = 0
-        eos = self.tokenizer.eos_token_ids
-        for index in range(num_drafts + 1):
-            draft = drafts[index] if index < num_drafts else None
-            q = probs[index] if probs is not None and draft is not None else None
-            matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
-            bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
-            (sampled,) = sample(
-                rows[index : index + 1],
-                [state.sampling],
-                eos,
-                token_bitmask=bitmask,
-                drafts=[draft],
-                draft_probs=[q],
-            )
-            self._advance_matcher(state, seq, sampled.token_id)
-            self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
-            if seq.is_finished or index == num_drafts or sampled.token_id != drafts[index]:
-                break
-            accepted += 1
-        self.stats.num_spec_drafts += 1
-        if self.stats.num_spec_drafts % SPEC_LOG_EVERY == 0:
-            self._log_acceptance()
-        self.stats.num_spec_draft_tokens += num_drafts
-        self.stats.num_spec_accepted_tokens += accepted
-        at = self.stats.spec_accepted_at
-        at.extend([0] * (num_drafts - len(at)))
-        for position in range(accepted):
-            at[position] += 1
-        if not seq.is_finished:
-            seq.num_computed_tokens += accepted
-            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-
-    def _log_acceptance(self) -> None:
-        stats = self.stats
-        logger.info(
-            "speculative decoding: %d of %d draft tokens accepted (%.0f%%), %.2f a draft",
-            stats.num_spec_accepted_tokens,
-            stats.num_spec_draft_tokens,
-            100 * stats.num_spec_accepted_tokens / max(1, stats.num_spec_draft_tokens),
-            stats.num_spec_accepted_tokens / max(1, stats.num_spec_drafts),
-        )
 
     def _slice(self, chunk: ScheduledChunk) -> SequenceSlice:
         seq = chunk.seq
@@ -370,6 +286,36 @@ class LLMEngine:
             self._release_held(request)
             self._advance_matcher(state, seq, sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+
+    def _verify(
+        self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
+    ) -> None:
+        """The speculating sequence's rows through the verifier; the accepted drafts count as computed."""
+        assert self.spec_decoder is not None
+        state = self._states[seq.seq_id]
+        request = seq.request
+        touched[request.request_id] = request
+        self._release_held(request)  # the prompt's last token may be the one that speculates
+
+        def sample_row(row: torch.Tensor, draft: int | None, q: torch.Tensor | None) -> int:
+            matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
+            bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
+            (sampled,) = sample(
+                row,
+                [state.sampling],
+                self.tokenizer.eos_token_ids,
+                token_bitmask=bitmask,
+                drafts=[draft],
+                draft_probs=[q],
+            )
+            self._advance_matcher(state, seq, sampled.token_id)
+            self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            return sampled.token_id
+
+        accepted = self.spec_decoder.verify(seq, rows, num_drafts, sample_row)
+        if not seq.is_finished:
+            seq.num_computed_tokens += accepted
+            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
 
     @staticmethod
     def _advance_matcher(state: _SequenceState, seq: Sequence, token: int) -> None:

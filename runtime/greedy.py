@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kiln.backends.base import Executable, allocate_kv_cache
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 
 def greedy_generate(

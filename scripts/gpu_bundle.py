@@ -91,11 +91,11 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-# name: (quantization, CUDA graphs, KV cache dtype)
+# name: (quantization, CUDA graphs, KV cache dtype: None for the float dtype)
 BUILDS = {
-    "nographs": (None, False, "auto"),
-    "graphs": (None, True, "auto"),
-    "int4": ("int4", True, "auto"),
+    "nographs": (None, False, None),
+    "graphs": (None, True, None),
+    "int4": ("int4", True, None),
     "fp8kv": (None, True, "fp8_e4m3"),
 }
 PROGRAMS = sorted({(quantization, kv_cache) for quantization, _, kv_cache in BUILDS.values()}, key=str)
@@ -103,7 +103,10 @@ FP8_TOLERANCE = 1e-2  # a K/V value near a float8 rounding tie may round the oth
 
 
 def make_program(
-    config_fields: dict[str, Any], seed: int, quantization: str | None = None, kv_cache_dtype: str = "auto"
+    config_fields: dict[str, Any],
+    seed: int,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Any:
     """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
     from kiln.build import PipelineOptions, optimize
@@ -184,7 +187,8 @@ def bundle(out: Path, arch: str) -> None:
 
 
 def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
-    from kiln.backends.tvm.executable import TVMExecutable, kv_spec_from
+    from kiln.backends.kv_manifest import kv_cache_spec
+    from kiln.backends.tvm.executable import TVMExecutable
 
     description = json.loads((folder / "step.json").read_text())
     if description["device"] != "cuda":
@@ -193,7 +197,7 @@ def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
         folder / "step.so",
         description["params"],
         weights,
-        kv_spec_from(description["kv_cache"]),
+        kv_cache_spec(description["kv_cache"]),
         "cuda",
         cuda_graphs=description["cuda_graph"]["enabled"],
     )
@@ -201,7 +205,7 @@ def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
 
 def check_logits(executable: Any, program: Any) -> float:
     from kiln.backends.reference import ReferenceExecutable
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     reference = ReferenceExecutable(program.graph, program.weights)
     prompts = [
@@ -235,7 +239,7 @@ def check_logits(executable: Any, program: Any) -> float:
 
 
 def decode_tokens_per_s(executable: Any, batch: int) -> float:
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     blocks_per_seq = -(-(CONTEXT + DECODE_STEPS + 1) // BLOCK_SIZE)
     cache = executable.kv_cache_spec.allocate(batch * blocks_per_seq + 1, BLOCK_SIZE, device="cuda")
@@ -270,7 +274,7 @@ def device_weights(shapes: dict[str, list[Any]], seed: int) -> dict[str, torch.T
 def step_against_decode(executable: Any) -> float:
     """The last token of a 13-token prefill (`step`: 4 row blocks, tiled GEMM linears) against the same
     token decoded after a 12-token prefill (`decode`: one row block, split-K linears)."""
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     prompt = [1, 17, 300, 4000, 5, 99, 12345, 7, 8, 100, 2000, 30000, 77]
     first = executable.kv_cache_spec.allocate(4, BLOCK_SIZE, device="cuda")
@@ -287,7 +291,7 @@ def step_against_decode(executable: Any) -> float:
 
 
 def prefill_tokens_per_s(executable: Any) -> float:
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     blocks = -(-PREFILL_TOKENS // BLOCK_SIZE)
     cache = executable.kv_cache_spec.allocate(blocks + 1, BLOCK_SIZE, device="cuda")

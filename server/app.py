@@ -118,11 +118,11 @@ def create_app(
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     if max_request_bytes is None:
-        max_request_bytes = default_max_request_bytes(engine.engine.max_model_len)
+        max_request_bytes = default_max_request_bytes(engine.max_model_len)
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="Kiln", summary="OpenAI-compatible LLM server")
-    admission = Admission(engine.engine.scheduler.config.max_num_seqs, max_waiting)
+    admission = Admission(engine.max_num_seqs, max_waiting)
     server_metrics = ServerMetrics(engine, served_model_name)
     state = app.state
     state.engine = engine

@@ -31,63 +31,53 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # fmt: on
 
 
-def engine_stats(engine: AsyncEngine) -> dict[str, Any]:
-    """The engine's gauges, read from the event loop while the loop thread may be changing them."""
-    for _ in range(10):
-        try:
-            return engine.stats()
-        except RuntimeError:  # a dict changed size while counted: read again
-            continue
-    return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
-
-
 class _EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = engine_stats(self.engine)
-        counters = self.engine.engine.stats
+        stats = self.engine.stats()
         yield self._metric(
             GaugeMetricFamily,
             "kiln:num_requests_running",
             "Sequences running in the engine (in the batch).",
-            stats["num_running"],
+            stats.num_running,
         )
         yield self._metric(
             GaugeMetricFamily,
             "kiln:num_requests_waiting",
             "Sequences waiting to be scheduled.",
-            stats["num_waiting"],
+            stats.num_waiting,
         )
         yield self._metric(
             GaugeMetricFamily,
             "kiln:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
-            stats["kv_cache_usage"],
+            stats.kv_cache_usage,
         )
         yield self._metric(
             CounterMetricFamily,
             "kiln:prompt_tokens",
             "Prompt tokens of admitted requests.",
-            counters.num_prompt_tokens,
+            stats.num_prompt_tokens,
         )
         yield self._metric(
-            CounterMetricFamily, "kiln:generation_tokens", "Tokens generated.", counters.num_generation_tokens
+            CounterMetricFamily, "kiln:generation_tokens", "Tokens generated.", stats.num_generation_tokens
         )
         yield self._metric(
             CounterMetricFamily,
             "kiln:num_preemptions",
             "Sequences preempted (to recompute later) for lack of KV blocks.",
-            self.engine.engine.scheduler.num_preemptions,
+            stats.num_preemptions,
         )
-        if self.engine.engine.config.speculative is None:
+        speculative = stats.speculative
+        if speculative is None:
             return
         for name, doc, value in (
-            ("num_drafts", "Speculating sequence-steps.", counters.num_spec_drafts),
-            ("num_draft_tokens", "Draft tokens proposed.", counters.num_spec_draft_tokens),
-            ("num_accepted_tokens", "Draft tokens accepted.", counters.num_spec_accepted_tokens),
+            ("num_drafts", "Speculating sequence-steps.", speculative.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed.", speculative.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", speculative.num_accepted_tokens),
         ):
             yield self._metric(CounterMetricFamily, f"kiln:spec_decode_{name}", doc, value)
         per_position = CounterMetricFamily(
@@ -95,7 +85,7 @@ class _EngineCollector(Collector):
             "Draft tokens accepted, by their position in the draft.",
             labels=["model_name", "position"],
         )
-        for position, accepted in enumerate(counters.spec_accepted_at):
+        for position, accepted in enumerate(speculative.accepted_at):
             per_position.add_metric([self.model_name, str(position)], float(accepted))
         yield per_position
 

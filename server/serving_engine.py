@@ -103,8 +103,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.admission = admission
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     # -- checks, each a 4xx/5xx before anything runs --------------------------------------------------
@@ -126,7 +126,7 @@ class OpenAIServing:
             raise from_value_error(error) from None
         if params.structured_output is not None:  # compiled here, off the event loop, and cached
             try:
-                self.engine.engine.grammars.compile(params.structured_output)
+                self.engine.compile_grammar(params.structured_output)
             except GrammarError as error:
                 fields = request.structured_output_fields()
                 raise bad_request(str(error), fields[0][0] if fields else "tools") from None
@@ -156,7 +156,7 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
         try:
-            ids, _ = self.engine.engine.validate(token_ids, params)
+            ids, _ = self.engine.validate(token_ids, params)
         except ValueError as error:
             message = str(error)
             param = max_tokens_param if "max_tokens" in message else prompt_param

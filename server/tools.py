@@ -18,7 +18,8 @@ from typing import Any
 from kiln.runtime.sampling_params import StructuredOutput
 from kiln.server.errors import bad_request
 from kiln.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
-from kiln.server.tool_parsers import Parsed, ParsedCall, Parser, parser
+from kiln.server.tool_parsers import Parsed, ParsedCall, Parser
+from kiln.server.tool_parsers.registry import parser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -120,11 +120,10 @@ def test_an_aarch64_bundle_takes_the_aarch64_runtime(
 
 
 def test_only_tvm_targets_are_bundled(tmp_path: Path, tiny_hf_dir: Path) -> None:
-    from kiln.backends.targets import Target
-    from kiln.compiler import CompileOptions, compile_model
+    from kiln.compiler import ModelOptions, compile_model, resolve
 
     artifact = tmp_path / "reference"
-    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(backend="reference"), artifact)
+    compile_model(resolve(ModelOptions(str(tiny_hf_dir), backend="reference")), artifact)
     with pytest.raises(BundleError, match="cpu is a reference target"):
         make_bundle(artifact, "cpu", tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()

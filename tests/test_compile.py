@@ -188,25 +188,24 @@ def test_processes_starting_one_model_at_once_compile_it_once(
     """The compile cache locks an entry while it is compiled, so a second start waits and loads it."""
     import threading
 
-    from kiln import compiler
-    from kiln.backends.targets import Target
+    from kiln.compiler import ModelOptions, cache, resolve
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     compiles: list[Path] = []
-    real_compile = compiler.compile_model
+    real_compile = cache.compile_model
 
     def counted_compile(*args, **kwargs):
-        compiles.append(args[3])
+        compiles.append(args[1])
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(compiler, "compile_model", counted_compile)
-    options = compiler.CompileOptions(backend="reference")
+    monkeypatch.setattr(cache, "compile_model", counted_compile)
+    plan = resolve(ModelOptions(str(tiny_hf_dir), backend="reference"))
     loaded: list[Path] = []
     errors: list[BaseException] = []
 
     def start() -> None:
         try:
-            loaded.append(compiler.load_or_compile(str(tiny_hf_dir), options, [Target("cpu")]).path)
+            loaded.append(cache.load_or_compile(plan).path)
         except BaseException as error:  # reported below, with the thread's traceback
             errors.append(error)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import kiln
@@ -94,33 +92,3 @@ def test_the_default_is_tvm_with_the_gguf_blocks(smollm2_gguf_path, tmp_path) ->
     from kiln.cli import main
 
     assert main(["inspect", str(llm.artifact.path), "--ir"]) == 2  # compiled code: no IR to print
-
-
-def test_auto_picks_tvm_for_this_cpu_and_names_the_reason() -> None:
-    from kiln.backends.targets import host_gpu_arch
-    from kiln.compiler import plan
-
-    chosen = plan()
-    if host_gpu_arch() is None:
-        assert (chosen.backend, [t.name for t in chosen.targets]) == ("tvm", ["cpu"])
-        assert "no NVIDIA GPU" in chosen.reason
-    assert plan("reference").backend == "reference"
-    assert [t.name for t in plan("auto", "cpu:znver3").targets] == ["cpu:znver3"]
-
-
-def test_auto_quantization_keeps_gguf_blocks_and_float_models_float(smollm2_gguf_path) -> None:
-    from kiln.build import resolve_quantization
-    from kiln.frontend.load import load_model
-
-    source = load_model(str(smollm2_gguf_path))
-    assert resolve_quantization("auto", source) == "gguf"
-    assert resolve_quantization(None, source) is None and resolve_quantization("int4", source) == "int4"
-    floats = dataclasses.replace(source, weights={name: w for name, w in source.float_weights().items()})
-    assert resolve_quantization("auto", floats) is None
-
-
-def test_eight_bit_activations_are_refused_off_the_tvm_cpu_kernels(smollm2_gguf_path) -> None:
-    from kiln.backends.base import BackendError
-
-    with pytest.raises(BackendError, match="CPU integer-dot kernels, not backend onnxruntime"):
-        kiln.LLM(str(smollm2_gguf_path), backend="onnxruntime", activation_bits=8)

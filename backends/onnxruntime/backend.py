@@ -9,24 +9,21 @@ import torch
 
 from kiln.backends.base import (
     BackendError,
+    Capabilities,
     CompiledCode,
     CompileSettings,
     Executable,
-    KVCacheSpec,
     leave_cores_to_compiled_code,
 )
+from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
+from kiln.backends.onnx.capabilities import onnx_capabilities
 from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
 from kiln.backends.onnxruntime.session import providers, session_config, session_options
 from kiln.backends.targets import Target
-from kiln.ir import DTYPES, Program
+from kiln.ir import Program
 
 SESSION_KEY = "session"
-
-
-def _kv_spec(meta: dict) -> KVCacheSpec:
-    spec = meta["kv_cache"]
-    return KVCacheSpec(spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], DTYPES[spec["dtype"]])
 
 
 class OnnxRuntimeBackend:
@@ -35,28 +32,23 @@ class OnnxRuntimeBackend:
     def version(self) -> str:
         return f"onnxruntime-{ort.__version__}"
 
-    def unsupported(self, target: Target) -> str | None:
+    def capabilities(self, target: Target) -> Capabilities:
+        unavailable = None
         if target.kind == "cpu" and target.detail is not None:
-            return (
+            unavailable = (
                 f"onnxruntime picks its CPU kernels at run time (MLAS dispatches on the host's ISA); "
                 f"target {target.name} names an LLVM mcpu that means nothing to it: use --target cpu"
             )
-        return None
+        return onnx_capabilities(self.name, target, unavailable)
 
     def compile(
         self, program: Program, target: Target, folder: Path, settings: CompileSettings
     ) -> CompiledCode:
         lowered = lower_program(program, LoweringOptions(contrib_ops=True))
         checks = check_model(lowered.model)
-        spec = KVCacheSpec.of_graph(program.graph)
         config = session_config(target, settings)
-        kv = {
-            "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "dtype": next(k for k, v in DTYPES.items() if v == spec.dtype),
-        }
-        files = write_lowered(lowered, folder, {SESSION_KEY: config, "kv_cache": kv, "checks": checks})
+        kv_cache = kv_cache_fields(program.graph)
+        files = write_lowered(lowered, folder, {SESSION_KEY: config, "kv_cache": kv_cache, "checks": checks})
         manifest = {
             "onnx": {
                 "opsets": {o.domain or "ai.onnx": o.version for o in lowered.model.opset_import},
@@ -82,7 +74,7 @@ class OnnxRuntimeBackend:
         if all(name == "CPUExecutionProvider" for name, _ in providers(config)):
             leave_cores_to_compiled_code()
         return OnnxRuntimeExecutable(
-            model, meta, weights, session_options(config), providers(config), _kv_spec(meta)
+            model, meta, weights, session_options(config), providers(config), kv_cache_spec(meta["kv_cache"])
         )
 
 

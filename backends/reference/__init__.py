@@ -1,5 +1,5 @@
-"""The reference backend: the oracle that interprets IR with torch ops."""
+"""The reference backend: the oracle that runs IR with the ops' torch references."""
 
-from kiln.backends.reference.executable import ReferenceExecutable, interpret
+from kiln.backends.reference.executable import ReferenceExecutable
 
-__all__ = ["ReferenceExecutable", "interpret"]
+__all__ = ["ReferenceExecutable"]

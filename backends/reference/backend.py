@@ -7,7 +7,15 @@ from pathlib import Path
 
 import torch
 
-from kiln.backends.base import BackendError, CompiledCode, CompileSettings, Executable
+from kiln.backends.base import (
+    BackendError,
+    Capabilities,
+    CompiledCode,
+    CompileSettings,
+    Executable,
+    Refusal,
+    integer_dot_refusal,
+)
 from kiln.backends.reference.executable import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Program, graph_from_json, graph_to_json
@@ -21,13 +29,20 @@ class ReferenceBackend:
     def version(self) -> str:
         return f"torch-{torch.__version__.split('+')[0]}"
 
-    def unsupported(self, target: Target) -> str | None:
+    def capabilities(self, target: Target) -> Capabilities:
+        """Everything, on this CPU only: it interprets the graph with torch."""
+        unavailable = None
         if target.name != "cpu":
-            return (
+            unavailable = Refusal(
                 f"the reference backend runs on the CPU with portable torch code only; target {target.name} "
                 "needs a compiling backend (tvm, onnxruntime, tensorrt)"
             )
-        return None
+        return Capabilities(
+            unavailable=unavailable,
+            float8_kv_cache=True,
+            tensor_parallel=True,
+            why_not={"activation_bits": integer_dot_refusal("backend reference")},
+        )
 
     def compile(
         self, program: Program, target: Target, folder: Path, settings: CompileSettings

@@ -14,15 +14,17 @@ import torch
 
 from kiln.backends.base import (
     BackendError,
+    Capabilities,
     CompiledCode,
     CompileSettings,
     DeviceRequiredError,
     Executable,
-    KVCacheSpec,
 )
+from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
+from kiln.backends.onnx.capabilities import onnx_capabilities
 from kiln.backends.targets import Target, mismatch
-from kiln.ir import DTYPES, Program
+from kiln.ir import Program
 
 
 def _tensorrt_version() -> str | None:
@@ -40,24 +42,18 @@ class TensorRTBackend:
         found = _tensorrt_version()
         return f"tensorrt-{found}" if found else "tensorrt-unavailable"
 
-    def unsupported(self, target: Target) -> str | None:
+    def capabilities(self, target: Target) -> Capabilities:
+        unavailable = None
         if target.kind != "cuda":
-            return f"TensorRT needs an NVIDIA GPU target (cuda:sm_XX), not {target.name}"
-        return None
+            unavailable = f"TensorRT needs an NVIDIA GPU target (cuda:sm_XX), not {target.name}"
+        return onnx_capabilities(self.name, target, unavailable)
 
     def compile(
         self, program: Program, target: Target, folder: Path, settings: CompileSettings
     ) -> CompiledCode:
         lowered = lower_program(program, LoweringOptions(contrib_ops=False))
         checks = check_model(lowered.model)
-        spec = KVCacheSpec.of_graph(program.graph)
-        kv = {
-            "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "dtype": next(k for k, v in DTYPES.items() if v == spec.dtype),
-        }
-        files = write_lowered(lowered, folder, {"kv_cache": kv, "checks": checks})
+        files = write_lowered(lowered, folder, {"kv_cache": kv_cache_fields(program.graph), "checks": checks})
         reason = mismatch(target)
         if reason is not None:
             raise DeviceRequiredError(
@@ -99,8 +95,4 @@ class TensorRTBackend:
             )
         from kiln.backends.tensorrt.executable import TensorRTExecutable  # not exercised here
 
-        spec = meta["kv_cache"]
-        kv_spec = KVCacheSpec(
-            spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], DTYPES[spec["dtype"]]
-        )
-        return TensorRTExecutable(folder / engine, meta, kv_spec)
+        return TensorRTExecutable(folder / engine, meta, kv_cache_spec(meta["kv_cache"]))

@@ -17,17 +17,20 @@ import torch
 
 from kiln.backends.base import (
     BackendError,
+    Capabilities,
     CompiledCode,
     CompileSettings,
     Executable,
-    KVCacheSpec,
+    Hardware,
+    Refusal,
+    integer_dot_refusal,
     leave_cores_to_compiled_code,
 )
+from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
-from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, kv_spec_from, set_threads, tvm_version
+from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, set_threads, tvm_version
 from kiln.ir import Program
-from kiln.ir.types import DTYPE_OF_TORCH
 
 LIBRARY = "step.so"
 DESCRIPTION = "step.json"
@@ -42,24 +45,38 @@ def elf_machine(library: Path) -> str | None:
     return ELF_MACHINES.get(int.from_bytes(header[18:20], "little"))
 
 
-def _kv_fields(program: Program) -> dict[str, Any]:
-    spec = KVCacheSpec.of_graph(program.graph)
-    dtype = DTYPE_OF_TORCH[spec.dtype]
-    return {
-        "num_layers": spec.num_layers,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "dtype": dtype,
-    }
-
-
 class TVMBackend:
     name = "tvm"
 
     def version(self) -> str:
         return f"tvm-{tvm_version()}"
 
-    def unsupported(self, target: Target) -> str | None:
+    def capabilities(self, target: Target) -> Capabilities:
+        """Every quantization and dtype the hardware computes in; a float8 KV cache where it converts
+        float8; 8-bit activations and tensor-parallel ranks on CPUs."""
+        hardware = Hardware.of(target)
+        unavailable = self._unavailable(target)
+        on_cpu = target.kind == "cpu"
+        return Capabilities(
+            unavailable=Refusal(unavailable) if unavailable is not None else None,
+            dtypes=hardware.dtypes,
+            float8_kv_cache=hardware.float8,
+            activation_bits=frozenset({16, 8} if on_cpu else {16}),
+            tensor_parallel=on_cpu,
+            why_not={
+                **hardware.why_not,
+                "activation_bits": integer_dot_refusal(f"target {target.name}"),
+                "tensor_parallel_size": Refusal(
+                    f"tensor parallelism runs on CPU ranks over gloo so far, not on {target.name}",
+                    "tensor_parallel_size",
+                    hint="use --target cpu, or --tensor-parallel-size 1 on the GPU",
+                ),
+            },
+        )
+
+    def _unavailable(self, target: Target) -> str | None:
+        """Why this machine cannot build `target` at all (an unknown CPU, no cross linker, no nvcc for
+        the arch), or None."""
         if target.kind == "cpu" and target.detail is not None:
             from kiln.backends.tvm.cpu import is_valid_mcpu
 
@@ -117,7 +134,7 @@ class TVMBackend:
             "num_threads": settings.num_threads,
             "params": [spec.to_dict() for spec in lowered.params],
             "functions": lowered.functions,
-            "kv_cache": _kv_fields(program),
+            "kv_cache": kv_cache_fields(program.graph),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
         return CompiledCode(
@@ -163,7 +180,7 @@ class TVMBackend:
             folder / LIBRARY,
             description["params"],
             weights,
-            kv_spec_from(description["kv_cache"]),
+            kv_cache_spec(description["kv_cache"]),
             description["device"],
             description.get("functions", ["step"]),
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),

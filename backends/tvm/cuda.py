@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
+from kiln.backends.kv_manifest import kv_cache_fields
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
@@ -200,11 +201,10 @@ def compile_cuda(
     cuda_graph: bool = True,
     ptx: bool = True,
 ) -> CompiledCode:
-    from kiln.backends.tvm.backend import _kv_fields
-
     arch = target.gpu_arch
     assert arch is not None
-    if _kv_fields(program)["dtype"] == "f8e4m3":
+    kv_cache = kv_cache_fields(program.graph)
+    if kv_cache["dtype"] == "f8e4m3":
         refusal = float8_kv_cache_refusal(target)
         if refusal is not None:
             raise BackendError(refusal, hint=FLOAT8_HINT)
@@ -228,7 +228,7 @@ def compile_cuda(
         },
         "params": result["params"],
         "functions": result["functions"],
-        "kv_cache": _kv_fields(program),
+        "kv_cache": kv_cache,
         "cuda_graph": graphs,
     }
     (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")

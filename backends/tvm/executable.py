@@ -23,7 +23,7 @@ from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.backends.tvm.staging import ALIGNMENT, InputStaging
-from kiln.ir import DTYPES, StepInputs
+from kiln.ir import StepInputs
 
 ROW_BLOCK = 4
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
@@ -222,15 +222,6 @@ class TVMExecutable:
             tensors = self.step_tensors(inputs)
         logits = torch.from_dlpack(self.call(tensors, kv_cache))[:num_logits]
         return logits.to("cpu", torch.float32)
-
-
-def kv_spec_from(manifest: dict[str, Any]) -> KVCacheSpec:
-    return KVCacheSpec(
-        int(manifest["num_layers"]),
-        int(manifest["num_kv_heads"]),
-        int(manifest["head_dim"]),
-        DTYPES[manifest["dtype"]],
-    )
 
 
 def set_threads(num_threads: int | None) -> None:

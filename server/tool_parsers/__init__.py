@@ -3,7 +3,8 @@
 Each parser is one module with one function, `parse(text, final)`: the content and the calls the text
 holds. Before the text is final it reports only what cannot change: content up to where a call may
 begin (a partial marker is held back), and a call once it is complete. `ToolCallStream` turns those
-reports into deltas, so a stream always reassembles to what the whole text parses to.
+reports into deltas, so a stream always reassembles to what the whole text parses to. This module holds
+what the parsers share; registry.py finds one by name.
 """
 
 from __future__ import annotations
@@ -90,17 +91,6 @@ class ToolCallStream:
         calls = list(parsed.calls[self.sent_calls :])
         self.sent_calls = len(parsed.calls)
         return new_content, calls
-
-
-def parser(name: str) -> Parser:
-    from kiln.server.tool_parsers import hermes, llama3_json, mistral, pythonic
-
-    return {
-        "hermes": hermes.parse,
-        "llama3_json": llama3_json.parse,
-        "mistral": mistral.parse,
-        "pythonic": pythonic.parse,
-    }[name]
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")

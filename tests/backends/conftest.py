@@ -23,8 +23,8 @@ from kiln.backends.base import Executable
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 from kiln.ir import Program, StepInputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 COMMON = dict(

@@ -20,7 +20,7 @@ from kiln.build import PipelineOptions, optimize
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
 from kiln.frontend.source import ModelSource, QuantizedTensor, TokenizerInfo
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 pytestmark = pytest.mark.slow  # a TVM and an ONNX Runtime compile per model
 
@@ -77,7 +77,7 @@ def _program(ggml_types: tuple[str, ...], random_gguf_blocks, config: ModelConfi
     tokenizer = TokenizerInfo("{}", None, None, None, False, ())
     source = ModelSource("kquant", Path("kquant.gguf"), config, weights, tokenizer)
     floats = source.float_weights()
-    optimized = optimize(config, floats, PipelineOptions(opt_level=2, quantization="auto"), source)
+    optimized = optimize(config, floats, PipelineOptions(opt_level=2, quantization="gguf"), source)
     assert optimized.quantization == "gguf"
     return optimized.program
 

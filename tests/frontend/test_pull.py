@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.file_digest import sha256_file
 from kiln.frontend.load import load_model
 from kiln.frontend.pull import (
     KNOWN_MODELS,
@@ -20,7 +21,6 @@ from kiln.frontend.pull import (
     model_path,
     pull,
     resolve_model,
-    sha256_file,
 )
 
 NAME = "smollm2-135m-instruct"

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kiln.backends.reference import interpret
 from kiln.ir import DTYPES, Program, parse_graph, print_graph, structural_equal
+from kiln.ir.interpreter import interpret
 from kiln.passes import PassOptions
 
 

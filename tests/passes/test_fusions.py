@@ -152,7 +152,7 @@ graph g({ATTENTION_INPUTS}) {{
 def _check_attention_numbers(kit, before, after) -> None:
     import torch
 
-    from kiln.backends.reference import interpret
+    from kiln.ir.interpreter import interpret
 
     inputs = kit.random_inputs(before, {"T": 6, "NB": 4, "BS": 4, "B": 2, "MB": 2, "B1": 3})
     inputs |= {

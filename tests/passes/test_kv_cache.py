@@ -11,6 +11,7 @@ from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
 from kiln.ir import KV_CACHE_INPUT, Program
 from kiln.ir.ops.attention import FP8_MAX
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassError, PassOptions
 from kiln.passes.kv_cache import (
     BLOCK_SIZE,
@@ -20,7 +21,6 @@ from kiln.passes.kv_cache import (
     HEADROOM,
     fp8_kv_cache,
 )
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 TINY = {
     "architecture": "LlamaForCausalLM",
@@ -39,7 +39,7 @@ TINY = {
 FP8_TOLERANCE = 2e-2  # max |logits with a float8 cache - float32 cache| / max |logits|, measured 3e-3
 
 
-def _program(kv_cache_dtype: str = "auto", meta: bool = False) -> Program:
+def _program(kv_cache_dtype: str | None = None, meta: bool = False) -> Program:
     config = ModelConfig(**TINY)
     with torch.device("meta"):
         shapes = model_class(config)(config).state_dict()

@@ -12,8 +12,8 @@ from kiln.frontend.capture import capture_weights
 from kiln.frontend.config import ModelConfig, RopeScaling
 from kiln.frontend.models import model_class
 from kiln.ir import Program
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassError, PassManager, PassOptions, passes_by_name, pipeline
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BASE = ModelConfig(
     architecture="LlamaForCausalLM",

@@ -13,8 +13,8 @@ import torch
 from kiln.backends.reference import ReferenceExecutable
 from kiln.build import gguf_blocks
 from kiln.ir import Program
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 TEXT = Path(__file__).parent.parent / "fixtures" / "public_domain.txt"
 WINDOW = 512

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.backends.reference import interpret
 from kiln.ir import print_graph
+from kiln.ir.interpreter import interpret
 from kiln.ir.ops.quant import dequantize
 from kiln.passes import PassError, PassOptions
 from kiln.passes.quantize.quantizers import import_gguf, quantize_int4, quantize_int8

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.backends.targets import Target
 from kiln.runtime.artifact import ArtifactError, is_artifact, load_artifact, probe_logits, seal
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory, tiny_hf_dir) -> Path:
-    from kiln.compiler import CompileOptions, compile_model
+    from kiln.compiler import ModelOptions, compile_model, resolve
 
     out = tmp_path_factory.mktemp("artifact") / "tiny"
-    compile_model(str(tiny_hf_dir), [Target("cpu")], CompileOptions(backend="reference"), out)
+    compile_model(resolve(ModelOptions(str(tiny_hf_dir), backend="reference")), out)
     return out
 
 
@@ -140,13 +139,13 @@ def test_a_folder_that_is_not_an_artifact(tmp_path: Path) -> None:
 def test_a_cache_compile_keeps_an_entry_that_appeared_meanwhile(
     compiled: Path, tiny_hf_dir: Path, tmp_path: Path
 ) -> None:
-    from kiln.compiler import CompileOptions, compile_model
+    from kiln.compiler import ModelOptions, compile_model, resolve
 
     out = _copy(compiled, tmp_path)
     (out / "theirs.txt").write_text("another process finished first")
-    options = CompileOptions(backend="reference")
-    compile_model(str(tiny_hf_dir), [Target("cpu")], options, out, keep_existing=True)
+    plan = resolve(ModelOptions(str(tiny_hf_dir), backend="reference"))
+    compile_model(plan, out, keep_existing=True)
     assert (out / "theirs.txt").is_file()
-    compile_model(str(tiny_hf_dir), [Target("cpu")], options, out)
+    compile_model(plan, out)
     assert not (out / "theirs.txt").exists() and is_artifact(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no scratch or old folder left

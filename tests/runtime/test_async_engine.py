@@ -14,6 +14,7 @@ import pytest
 from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative import SpeculativeConfig
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -115,6 +116,31 @@ def test_a_bad_request_raises_before_streaming(make_tiny_engine) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig(num_speculative_tokens=3)])
+def test_what_a_server_reads(make_tiny_engine, speculative: SpeculativeConfig | None) -> None:
+    """The settings, validation and a stats snapshot (speculative counters only when speculating)."""
+    sync_engine = make_tiny_engine(max_num_seqs=3, speculative=speculative)
+    engine = AsyncEngine(sync_engine)
+    try:
+        assert engine.tokenizer is sync_engine.tokenizer
+        assert (engine.max_model_len, engine.max_num_seqs) == (sync_engine.max_model_len, 3)
+        assert engine.validate(_prompt(1), PARAMS) == (_prompt(1), PARAMS.max_tokens)
+        before = engine.stats()
+        asyncio.run(_drain(engine.generate(_prompt(1) * 2, PARAMS)))
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+        assert stats.num_prompt_tokens == 2 * len(_prompt(1))
+        assert stats.num_generation_tokens == PARAMS.max_tokens
+        if speculative is None:
+            assert before.speculative is None and stats.speculative is None
+        else:
+            assert before.speculative is not None and stats.speculative is not None
+            assert before.speculative.num_drafts == 0 < stats.speculative.num_drafts
+            assert stats.speculative == sync_engine.stats.speculative
+    finally:
+        engine.shutdown()
+
+
 STREAM_TIMEOUT_S = 10.0  # a stream the dead engine forgot would wait forever: fail instead
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -174,7 +200,8 @@ def test_a_failing_command_fails_every_stream_and_later_request(make_tiny_engine
     """ "boom"'s add command raises KeyError while a stream is running and "queued"'s command waits
     behind it (a slow step holds the loop thread): all three fail, and so does every later request."""
     engine_class = _add_fails_with(KeyError("boom"))  # a bug, not a refusal of the request
-    engine = AsyncEngine(make_tiny_engine(step_delay_s=0.2, engine_class=engine_class))
+    sync_engine = make_tiny_engine(step_delay_s=0.2, engine_class=engine_class)
+    engine = AsyncEngine(sync_engine)
 
     async def main() -> None:
         running = engine.generate(_prompt(1), LONG, request_id="running")
@@ -190,7 +217,7 @@ def test_a_failing_command_fails_every_stream_and_later_request(make_tiny_engine
     try:
         asyncio.run(main())
         assert isinstance(engine.dead, KeyError)
-        assert "queued" not in engine.engine.requests  # its command never ran
+        assert "queued" not in sync_engine.requests  # its command never ran
         assert _logged_failure(caplog, KeyError)
     finally:
         engine.shutdown()
@@ -237,12 +264,13 @@ def test_a_value_error_refuses_only_its_request(make_tiny_engine) -> None:
 
 
 def test_shutdown_waits_a_bounded_time_and_fails_the_streams(make_tiny_engine, caplog) -> None:
-    engine = AsyncEngine(make_tiny_engine(step_delay_s=1.0))
+    sync_engine = make_tiny_engine(step_delay_s=1.0)
+    engine = AsyncEngine(sync_engine)
 
     async def main() -> None:
         stream = engine.generate(_prompt(1), LONG)
         waiting = asyncio.create_task(_fails_dead(stream))
-        while engine.engine.executable.calls == 0:  # type: ignore[attr-defined]
+        while sync_engine.executable.calls == 0:  # type: ignore[attr-defined]
             await asyncio.sleep(0.01)
         started = time.perf_counter()
         engine.shutdown(timeout=0.1)

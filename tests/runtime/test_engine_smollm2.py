@@ -121,7 +121,7 @@ def test_prompt_logprobs_match_a_direct_computation(smollm2_o2) -> None:
     assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
     assert len(output.prompt_logprobs) == len(prompt)
     direct = smollm2_o2.executable.kv_cache_spec.allocate(4, 16)
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+    from kiln.ir.step import SequenceSlice, build_step_inputs
 
     rows = smollm2_o2.executable.step(
         build_step_inputs([SequenceSlice(prompt, 0, [1, 2], logits_at=range(len(prompt) - 1))], 16), direct

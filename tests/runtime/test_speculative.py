@@ -10,7 +10,8 @@ import torch
 
 import kiln
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative import SpeculativeConfig, propose_ngram
+from kiln.runtime.speculative import SpeculativeConfig
+from kiln.runtime.speculative.ngram import propose_ngram
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1)
 
@@ -63,7 +64,7 @@ def test_tiny_model_greedy_tokens_are_identical(make_tiny_engine) -> None:
     speculated = _run(engine, prompts, params)
     greedy_ids = [f"r{i}" for i, p in enumerate(params) if p.greedy]
     assert [speculated[r] for r in greedy_ids] == [plain[r] for r in greedy_ids]
-    assert engine.stats.num_spec_accepted_tokens > 0  # the drafts were used, not only proposed
+    assert engine.stats.speculative.num_accepted_tokens > 0  # the drafts were used, not only proposed
 
 
 DRAFT = SpeculativeConfig(method="draft_model", model="tiny-draft", num_speculative_tokens=3)
@@ -83,8 +84,8 @@ def test_tiny_draft_model_greedy_tokens_are_identical(make_tiny_engine, tiny_mod
         noisy = make_tiny_engine(num_blocks=num_blocks, speculative=DRAFT, draft=tiny_draft_model)
         drafted = _run(noisy, prompts, params)
         assert [drafted[r] for r in greedy_ids] == [plain[r] for r in greedy_ids]
-        stats = noisy.stats
-        assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+        stats = noisy.stats.speculative
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
         if num_blocks == 24:
             assert noisy.scheduler.num_preemptions > 0
         itself = make_tiny_engine(num_blocks=num_blocks, speculative=DRAFT, draft=tiny_model[0])
@@ -93,7 +94,7 @@ def test_tiny_draft_model_greedy_tokens_are_identical(make_tiny_engine, tiny_mod
             mirrored = _run(itself, only_greedy, [greedy] * len(only_greedy))
             assert sorted(mirrored.values()) == sorted(plain[r] for r in greedy_ids)
         if num_blocks == 64:
-            assert itself.stats.num_spec_accepted_tokens == itself.stats.num_spec_draft_tokens
+            assert itself.stats.speculative.num_accepted_tokens == itself.stats.speculative.num_draft_tokens
 
 
 def test_the_prompts_last_token_may_speculate(make_tiny_engine, tiny_draft_model) -> None:
@@ -107,7 +108,7 @@ def test_the_prompts_last_token_may_speculate(make_tiny_engine, tiny_draft_model
         if not engine.has_unfinished_requests():
             break
     assert [len(c.token_ids) for c in outputs[0].outputs] == [5, 5]
-    assert engine.stats.num_spec_drafts > 0
+    assert engine.stats.speculative.num_drafts > 0
 
 
 def test_a_draft_executable_needs_the_draft_method(make_tiny_engine, tiny_draft_model) -> None:
@@ -155,8 +156,8 @@ def test_sampled_tokens_keep_their_distribution(tiny_model) -> None:
     probability says (within 5 standard deviations)."""
     from scipy.stats import chi2_contingency
 
+    from kiln.ir.step import SequenceSlice, build_step_inputs
     from kiln.runtime.sampler import SequenceSampling, make_generator, sample
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
     executable, _ = tiny_model
     cache = executable.kv_cache_spec.allocate(8, 4)
@@ -237,11 +238,11 @@ def test_real_models_greedy_tokens_are_identical(model: str, smollm2_gguf_path) 
         ]
         greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # no drafts cut short
         alone = [_run(llm.engine, [prompt], [greedy])["r0"] for prompt in prompts]
-        stats = llm.engine.stats
+        stats = llm.engine.stats.speculative
         if method == "ngram":
-            assert stats.num_spec_accepted_tokens > 0
+            assert stats.num_accepted_tokens > 0
         if method == "draft_model":  # greedy drafts of the model itself
-            assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
         batched = _run(  # with a sampled request beside them
             llm.engine,
             [*prompts, prompts[0]],
@@ -276,5 +277,5 @@ def test_constrained_requests_speculate_and_keep_their_tokens(smollm2_gguf_path)
         results = llm.generate(["List eight ids as JSON:", "Repeat ab:"], params)
         outputs[speculative is not None] = [r.outputs[0].token_ids for r in results]
         if speculative is not None:
-            assert llm.engine.stats.num_spec_accepted_tokens > 0
+            assert llm.engine.stats.speculative.num_accepted_tokens > 0
     assert outputs[True] == outputs[False]

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.backends.targets import Target
 from kiln.build import PipelineOptions, build_reference
-from kiln.compiler import CompileOptions, compile_model
+from kiln.compiler import ModelOptions, compile_model, resolve
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
@@ -34,8 +33,13 @@ def test_smollm2_at_tp3_makes_the_tokens_of_one_process(
 ) -> None:
     whole = build_reference(str(smollm2_gguf_path), PipelineOptions(quantization=quantization))
     expected = _greedy(whole.executable, whole.tokenizer)
-    options = CompileOptions(backend="reference", quantization=quantization, tensor_parallel_size=3)
-    compile_model(str(smollm2_gguf_path), [Target("cpu")], options, tmp_path / "tp3")
+    options = ModelOptions(
+        str(smollm2_gguf_path),
+        backend="reference",
+        quantization=quantization or "none",
+        tensor_parallel_size=3,
+    )
+    compile_model(resolve(options), tmp_path / "tp3")
     ranks = load_artifact(tmp_path / "tp3").executable
     try:
         assert ranks.kv_cache_spec.num_kv_heads == 1

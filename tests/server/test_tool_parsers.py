@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kiln.server.tool_parsers import TOOL_CALL_PARSERS, Parsed, ParsedCall, ToolCallStream, parser
+from kiln.server.tool_parsers import TOOL_CALL_PARSERS, Parsed, ParsedCall, ToolCallStream
+from kiln.server.tool_parsers.registry import parser
 
 WEATHER = ParsedCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
 TIME = ParsedCall("get_time", json.dumps({"zone": "Europe/Paris </tool_call> [TOOL_CALLS]"}))

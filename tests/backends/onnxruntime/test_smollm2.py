@@ -11,7 +11,7 @@ import torch
 from kiln.backends.gpu_requirements import ORT_CUDA, missing_for_gpu
 from kiln.backends.targets import host_gpu_arch
 from kiln.cli import main
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 TOLERANCE = 1e-4  # max |ours - reference| / max |reference|
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.greedy import greedy_generate
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 PROMPTS = [
     "The three primary colours are",

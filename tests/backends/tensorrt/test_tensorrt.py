@@ -17,9 +17,10 @@ from kiln.cli import main
 
 def test_refuses_cpu_targets_and_names_its_version() -> None:
     backend = TensorRTBackend()
-    reason = backend.unsupported(Target("cpu"))
+    refusal = backend.capabilities(Target("cpu")).unavailable
+    reason = refusal.reason if refusal is not None else None
     assert reason is not None and "NVIDIA GPU" in reason
-    assert backend.unsupported(Target("cuda", "sm_90")) is None
+    assert backend.capabilities(Target("cuda", "sm_90")).unavailable is None
     try:
         installed = importlib.metadata.version("tensorrt")
     except importlib.metadata.PackageNotFoundError:

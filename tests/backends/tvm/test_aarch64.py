@@ -24,7 +24,7 @@ from kiln.backends.tvm.backend import TVMBackend, elf_machine
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.build import PipelineOptions, optimize
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 A76 = Target.parse("cpu:cortex-a76")

@@ -16,9 +16,9 @@ from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.backends.tvm.cpu_features import host_flags
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
 from kiln.runtime.greedy import greedy_generate
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 TOLERANCE = 1e-4  # max |tvm - reference| / max |reference|
@@ -145,8 +145,9 @@ def test_foreign_cpu_features_are_refused_at_load(tmp_path: Path, tvm_compile, m
 
 
 def test_unknown_mcpu_is_refused_before_compiling() -> None:
-    assert "nosuchcpu" in (TVMBackend().unsupported(Target("cpu", "nosuchcpu")) or "")
-    assert TVMBackend().unsupported(Target("cpu")) is None
+    refusal = TVMBackend().capabilities(Target("cpu", "nosuchcpu")).unavailable
+    assert refusal is not None and "nosuchcpu" in refusal.reason
+    assert TVMBackend().capabilities(Target("cpu")).unavailable is None
 
 
 def test_compile_settings_threads_are_recorded(tmp_path: Path, make_tiny_program) -> None:

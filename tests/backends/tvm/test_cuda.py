@@ -248,8 +248,8 @@ CUDA_MISSING = missing_for_gpu(TORCH_CUDA, TVM_CUDA, archs=("sm_87", "sm_90"))
 @pytest.mark.gpu
 @pytest.mark.skipif(CUDA_MISSING is not None, reason=CUDA_MISSING or "")
 def test_smollm2_cuda_logits_match_the_reference(smollm2_cuda: Path, smollm2_o2) -> None:
+    from kiln.ir.step import SequenceSlice, build_step_inputs
     from kiln.runtime.artifact import load_artifact
-    from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
     artifact = load_artifact(smollm2_cuda)
     token_ids = artifact.tokenizer.encode("The capital of France is")

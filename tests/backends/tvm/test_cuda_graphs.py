@@ -22,7 +22,7 @@ from kiln.backends.tvm.cuda_graphs import (
     pad_decode,
     table_width,
 )
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 4
 

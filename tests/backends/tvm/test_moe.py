@@ -13,8 +13,8 @@ from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.tvm.cpu_features import host_flags
 from kiln.ir import Program
 from kiln.ir.ops import moe as moe_ops
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16
 TOLERANCE = 1e-4

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.backends.targets import Target
-from kiln.compiler import CompileOptions, compile_model
+from kiln.compiler import ModelOptions, compile_model, resolve
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 from kiln.runtime.artifact import ArtifactError, close_executable, load_artifact
@@ -31,8 +30,10 @@ def test_a_tensor_parallel_tvm_artifact_gives_the_whole_models_logits(
     source = load_model(str(tmp_path / "hf"))
     captured = capture_weights(source.config, source.float_weights())
     whole = ragged_run([ReferenceExecutable(captured.graph, captured.weights)], 9)[0]
-    options = CompileOptions(backend="tvm", quantization=None, tensor_parallel_size=world)
-    compile_model(str(tmp_path / "hf"), [Target("cpu")], options, tmp_path / "art")
+    options = ModelOptions(
+        str(tmp_path / "hf"), backend="tvm", quantization="none", tensor_parallel_size=world
+    )
+    compile_model(resolve(options), tmp_path / "art")
 
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["compile"]["tensor_parallel_size"] == world

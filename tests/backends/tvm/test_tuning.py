@@ -18,7 +18,7 @@ from kiln.backends.targets import Target
 from kiln.backends.tvm import cpu, tuning
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.ir import Program
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 16

@@ -16,16 +16,10 @@ from kiln.backends.tvm.kernels import int_dot
 from kiln.backends.tvm.kernels import linear as linear_kernels
 from kiln.backends.tvm.kernels import moe as moe_kernels
 from kiln.backends.tvm.layouts import tiled_transform
-from kiln.backends.tvm.lowering import (
-    ROW_BLOCK,
-    ROW_COUNTS,
-    Lowerer,
-    dot_weights,
-    factored_scales,
-    lowering,
-    row_blocks,
-    swiglu_call,
-)
+from kiln.backends.tvm.lowerer import ROW_BLOCK, ROW_COUNTS, Lowerer, row_blocks
+from kiln.backends.tvm.lowering_registry import lowering
+from kiln.backends.tvm.ops_basic import swiglu_call
+from kiln.backends.tvm.ops_quant import dot_weights, factored_scales
 from kiln.ir import Node
 from kiln.ir.ops.moe import quantized_inputs
 

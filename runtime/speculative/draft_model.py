@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from kiln.backends.base import Executable, allocate_kv_cache
+from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.sampler import draw, make_generator
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Sequence as EngineSequence
-from kiln.runtime.step_builder import SequenceSlice, build_step_inputs
 
 
 @dataclass
@@ -34,13 +34,9 @@ class _DraftState:
     generator: torch.Generator | None  # sampled requests' draws; None for greedy ones
 
 
-@dataclass(frozen=True)
-class Drafts:
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [len(token_ids), vocab]: the q each was drawn from; None when greedy
-
-
 class DraftModelProposer:
+    """Drafts from a second executable; its `propose` leaves placeholders that `scheduled` fills."""
+
     def __init__(self, executable: Executable, num_blocks: int, block_size: int, vocab_size: int) -> None:
         self.executable = executable
         self.block_size = block_size
@@ -48,16 +44,21 @@ class DraftModelProposer:
         self.kv_cache = allocate_kv_cache(executable, num_blocks, block_size)
         self._states: dict[EngineSequence, _DraftState] = {}  # by identity: a seq_id may be used again
 
-    def propose(
+    def propose(self, seq: EngineSequence, limit: int) -> list[int]:
+        """Placeholders: the drafts are made once the scheduler has given their blocks."""
+        return [0] * max(0, limit)
+
+    def scheduled(
         self,
         chunks: Sequence[ScheduledChunk],
         block_table: Callable[[str], list[int]],
         running: Collection[EngineSequence],
-    ) -> dict[str, Drafts]:
-        """Mirror the step's `chunks` in the draft's cache and draft the tokens of those with drafts (the
-        scheduler gave their blocks); `running`: the sequences still running (the others' states are
-        dropped). Returns the drafts by seq_id."""
-        for seq in [s for s in self._states if s not in running]:
+    ) -> None:
+        """Mirror the step's `chunks` in the draft's cache and put the drafts (and the q each was drawn
+        from) in place of the placeholders of those with drafts; `running`: the sequences still running
+        (the others' states are dropped)."""
+        still_running = set(running)
+        for seq in [s for s in self._states if s not in still_running]:
             del self._states[seq]
         speculating = [(chunk.seq, chunk.num_drafts) for chunk in chunks if chunk.num_drafts]
         tables = {chunk.seq.seq_id: block_table(chunk.seq.seq_id) for chunk in chunks}
@@ -89,10 +90,9 @@ class DraftModelProposer:
                 if q is not None:
                     probs[seq.seq_id].append(q)
                 state.computed = seq.num_computed_tokens + step + 1
-        return {
-            seq_id: Drafts(ids, torch.stack(probs[seq_id]) if probs[seq_id] else None)
-            for seq_id, ids in tokens.items()
-        }
+        for seq, _ in speculating:
+            seq.draft_token_ids = tokens[seq.seq_id]
+            seq.draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
 
     def _step(self, slices: list[SequenceSlice]) -> torch.Tensor:
         logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)

@@ -1,0 +1,32 @@
+"""The KV cache's entry in a backend's manifest (`kv_cache` in step.json, onnx.json): written at compile,
+read back at load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kiln.backends.base import KVCacheSpec
+from kiln.ir import DTYPES, Graph
+from kiln.ir.types import DTYPE_OF_TORCH
+
+
+def kv_cache_fields(graph: Graph) -> dict[str, Any]:
+    """The entry for `graph`'s KV cache input: layers, KV heads, head dim and the IR dtype name."""
+    spec = KVCacheSpec.of_graph(graph)
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": DTYPE_OF_TORCH[spec.dtype],
+    }
+
+
+def kv_cache_spec(fields: Mapping[str, Any]) -> KVCacheSpec:
+    """The spec an entry written by `kv_cache_fields` describes."""
+    return KVCacheSpec(
+        int(fields["num_layers"]),
+        int(fields["num_kv_heads"]),
+        int(fields["head_dim"]),
+        DTYPES[fields["dtype"]],
+    )

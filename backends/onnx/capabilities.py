@@ -1,0 +1,32 @@
+"""What the ONNX lowering builds, for the backends that run it (onnxruntime, tensorrt)."""
+
+from __future__ import annotations
+
+from kiln.backends.base import Capabilities, Hardware, Refusal, integer_dot_refusal
+from kiln.backends.targets import Target
+
+
+def onnx_capabilities(backend: str, target: Target, unavailable: str | None) -> Capabilities:
+    """The dtypes `target`'s hardware computes in; no float8 paged attention, no collective ops (the CPU
+    build has no all-reduce, and cutting the graph at every collective would make two sessions a layer
+    with a host round trip between them), 16-bit activations."""
+    hardware = Hardware.of(target)
+    return Capabilities(
+        unavailable=Refusal(unavailable) if unavailable is not None else None,
+        dtypes=hardware.dtypes,
+        why_not={
+            **hardware.why_not,
+            "kv_cache_dtype": Refusal(
+                f"a float8 KV cache runs on tvm and reference, not {backend}",
+                "kv_cache_dtype",
+                hint="use --backend tvm, or drop --kv-cache-dtype",
+            ),
+            "tensor_parallel_size": Refusal(
+                f"tensor parallelism runs on tvm and reference, not {backend}: its CPU build has no "
+                "collective ops to join the ranks",
+                "tensor_parallel_size",
+                hint="use --backend tvm with --tensor-parallel-size",
+            ),
+            "activation_bits": integer_dot_refusal(f"backend {backend}"),
+        },
+    )

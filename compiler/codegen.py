@@ -1,0 +1,209 @@
+"""The compile: a plan → an artifact folder, for one or more targets (see runtime/artifact.py).
+
+Stages: load, capture, passes (build.py, the one pipeline), then per target code generation (and its
+probe), then write. The same model and options give byte-identical folders: no timestamps, no absolute
+paths, sorted JSON. The folder is written beside `out` and swapped in whole (compiler/output.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from kiln.backends.base import Backend, CompileSettings, DeviceRequiredError, allocate_kv_cache
+from kiln.backends.registry import get_backend
+from kiln.backends.targets import Target, mismatch
+from kiln.build import Progress, build_program, rank_programs
+from kiln.compiler.output import check_output, scratch_beside, swap_in
+from kiln.compiler.plan import Plan
+from kiln.compiler.source_digest import source_digest
+from kiln.frontend.pull import resolve_model
+from kiln.ir import Program, print_graph
+from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.runtime import artifact as fmt
+from kiln.version import __version__
+
+PROBE_PROMPT = "A kiln fires clay at a high temperature, turning it into"
+PROBE_TOLERANCE = 1e-4  # max |logits now - logits at compile| / max |logits at compile|
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """The longest sequence and the most sequences the artifact is built for (None: the model's own
+    maximum length)."""
+
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+
+
+@dataclass
+class CompileResult:
+    path: Path
+    manifest: dict[str, Any]
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+
+
+@dataclass
+class _RankCode:
+    """One rank's compiled code in an artifact being written (paths relative to its root)."""
+
+    folder: str
+    files: list[str]  # relative to the target's folder
+    manifest: dict[str, Any]
+    kernels: dict[str, str]
+
+
+def _compile_ranks(
+    backend: Backend, programs: list[Program], target: Target, root: Path, settings: CompileSettings
+) -> list[_RankCode]:
+    """Compile each rank's program for `target` under root/<target folder>: one rank there, several each
+    in its subfolder rank<r>, or sharing an earlier rank's code where its graph is the same."""
+    ranks: list[_RankCode] = []
+    compiled: dict[str, _RankCode] = {}  # graph text → the rank that compiled it
+    for rank, program in enumerate(programs):
+        text = print_graph(program.graph)
+        if text not in compiled:
+            subfolder = "" if len(programs) == 1 else f"rank{rank}"
+            code = backend.compile(program, target, root / target.folder / subfolder, settings)
+            files = [f"{subfolder}/{name}" if subfolder else name for name in code.files]
+            folder = f"{target.folder}/{subfolder}" if subfolder else target.folder
+            compiled[text] = _RankCode(folder, files, code.manifest, code.kernels)
+        ranks.append(compiled[text])
+    return ranks
+
+
+def _probe(
+    backend: str, target: Target, root: Path, ranks: list[dict[str, str]], token_ids: list[int]
+) -> None:
+    executable = fmt.load_ranks(backend, target, root, ranks)
+    try:
+        blocks = list(range(1, -(-len(token_ids) // 16) + 1))
+        cache = allocate_kv_cache(executable, len(blocks) + 1, 16)
+        logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
+    finally:
+        fmt.close_executable(executable)
+    save_file({"logits": logits.contiguous()}, str(root / target.folder / fmt.PROBE_FILE))
+
+
+def compile_stages(targets: tuple[Target, ...]) -> list[str]:
+    """The stage names `compile_model` reports to its progress callback, in order."""
+    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
+
+
+def compile_model(
+    plan: Plan,
+    out: Path,
+    limits: CompileLimits | None = None,
+    progress: Progress | None = None,
+    force: bool = False,
+    keep_existing: bool = False,
+) -> CompileResult:
+    """Compile `plan` into the folder `out` (see compiler/output.py for what may be replaced;
+    `keep_existing`: an artifact already at `out` when this one is done wins, as a cache entry would)."""
+    limits = limits or CompileLimits()
+    check_output(out, force)
+    backend = get_backend(plan.backend)
+    times: dict[str, float] = {}
+
+    def stage(name: str, took: float) -> None:
+        times[name] = took
+        if progress is not None:
+            progress(name, took)
+
+    digest = source_digest(resolve_model(plan.model))
+    pipeline = plan.pipeline(limits.max_model_len)
+    built = build_program(plan.model, pipeline, stage)
+    program, source = built.program, built.source
+    programs = [program, *rank_programs(built, pipeline)]
+    scratch = scratch_beside(out)
+    try:
+        start = time.perf_counter()
+        probe_ids = built.tokenizer.encode(PROBE_PROMPT)
+        config_len = int(source.config.max_position_embeddings)
+        max_model_len = min(limits.max_model_len or config_len, config_len)
+        settings = CompileSettings(
+            max_num_seqs=limits.max_num_seqs,
+            max_model_len=max_model_len,
+            tuning_logs=plan.tuning_logs,
+            num_threads=plan.options.num_threads,
+            activation_bits=plan.activation_bits,
+        )
+        entries: dict[str, Any] = {}
+        weights: list[str] = []  # each rank's, written after the first target compiles; targets share them
+        for target in plan.targets:
+            try:
+                ranks = _compile_ranks(backend, programs, target, scratch, settings)
+            except DeviceRequiredError:
+                # keep what the backend wrote (e.g. the ONNX for a GPU builder) at `out`, without a
+                # manifest: it is not a runnable artifact
+                swap_in(scratch, out, force)
+                raise
+            weights = weights or [fmt.write_weights(scratch, p.weights) for p in programs]
+            rank_entries = [
+                {"folder": rank.folder, "weights": name} for rank, name in zip(ranks, weights, strict=True)
+            ]
+            runs_here = mismatch(target) is None
+            if runs_here:
+                _probe(plan.backend, target, scratch, rank_entries, probe_ids)
+            entries[target.name] = {
+                "backend": backend.name,
+                "backend_version": backend.version(),
+                "target": target.name,
+                "gpu_arch": target.gpu_arch,
+                "folder": target.folder,
+                "code": sorted({f for rank in ranks for f in rank.files}),
+                "weights": weights[0],
+                "cuda_graph_buckets": [],
+                **ranks[0].manifest,
+                "kernels": dict(sorted(ranks[0].kernels.items())),
+                "probe": {
+                    "token_ids": probe_ids,
+                    "logits_file": f"{target.folder}/{fmt.PROBE_FILE}" if runs_here else None,
+                    "tolerance": PROBE_TOLERANCE,
+                },
+            }
+            if len(ranks) > 1:
+                entries[target.name]["ranks"] = rank_entries
+            now = time.perf_counter()
+            stage(f"codegen {target.name}", now - start)
+            start = now
+
+        config = source.config
+        tokenizer_fields = fmt.write_tokenizer(scratch, built.tokenizer)
+        compile_fields = plan.compiled()
+        model_id = hashlib.sha256(
+            f"{digest}\n{json.dumps(compile_fields, sort_keys=True)}".encode()
+        ).hexdigest()
+        manifest = fmt.seal(
+            scratch,
+            {
+                "kiln_version": __version__,
+                "model": {
+                    "name": source.name,
+                    "architecture": config.architecture,
+                    "config": config.to_dict(),
+                    "source_sha256": digest,
+                    "model_id": model_id,
+                },
+                "tokenizer": tokenizer_fields,
+                "compile": {**compile_fields, "passes": [p.name for p in built.passes]},
+                "limits": {"max_model_len": max_model_len, "max_num_seqs": limits.max_num_seqs},
+                "targets": entries,
+            },
+        )
+        swap_in(scratch, out, force, keep_existing)
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch)
+    stage("write", time.perf_counter() - start)
+    return CompileResult(out, manifest, times)

@@ -1,0 +1,250 @@
+"""The one description of what a user asked for: `ModelOptions`, built by the CLI (`from_args`), by
+`kiln.LLM` (`create`) and so for the server, and validated once, before anything loads.
+
+Each option is declared once, here, with its flag: the CLI's arguments, `kiln.LLM`'s keywords, the
+manifest's `compile` fields and the compile cache's key all come from these fields. `auto` (and None,
+"not given") is what `compiler.resolve` decides; nothing else turns it into a choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.backends.base import FLOAT8_KV_CACHE
+from kiln.backends.registry import BACKEND_NAMES
+from kiln.errors import UsageError
+from kiln.passes.base import DTYPES, QUANTIZATIONS
+from kiln.runtime.speculative import SpeculativeConfig
+
+AUTO = "auto"
+COMMANDS = frozenset({"compile", "serve", "generate"})
+PIPELINE_COMMANDS = frozenset({"compile", "tune", "inspect"})  # that build a graph
+KV_CACHE_ALIASES = {"fp8": FLOAT8_KV_CACHE}  # vLLM's `fp8` is e4m3
+
+
+class OptionsError(UsageError):
+    """Options that contradict each other, the backend, or the artifact they were given with."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one option is asked for on the command line; `compiled`: it decides the compiled code, so the
+    manifest records it, the cache keys on it, and an artifact must hold what is asked."""
+
+    help: str
+    choices: tuple[Any, ...] | None = None
+    type: Callable[[str], Any] = str
+    commands: frozenset[str] = COMMANDS
+    compiled: bool = False
+
+    @property
+    def metadata(self) -> dict[str, Flag]:
+        """As a dataclass field's metadata."""
+        return {"flag": self}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What was asked for one model; see the module doc. `model`: a known name, a GGUF file, a HF
+    directory or an artifact folder."""
+
+    model: str
+    backend: str = field(
+        default=AUTO,
+        metadata=Flag(
+            "auto (default): TVM for this CPU, or for the local GPU's sm_XX; reference: the interpreter",
+            choices=(AUTO, *BACKEND_NAMES),
+            compiled=True,
+        ).metadata,
+    )
+    target: str | None = field(
+        default=None,
+        metadata=Flag(
+            "cpu, cpu:<mcpu>, cuda:sm_80..sm_90; comma-separated for compile (default: this host)",
+            commands=COMMANDS | {"tune"},
+        ).metadata,
+    )
+    quantization: str = field(
+        default=AUTO,
+        metadata=Flag(
+            "auto (default): a GGUF keeps its own quantized blocks, a float model stays float",
+            choices=(AUTO, "none", *QUANTIZATIONS),
+            commands=COMMANDS | PIPELINE_COMMANDS,
+            compiled=True,
+        ).metadata,
+    )
+    group_size: int = field(
+        default=32,
+        metadata=Flag(
+            "int4 group size (32, 64 or 128)", (32, 64, 128), int, PIPELINE_COMMANDS, True
+        ).metadata,
+    )
+    dtype: str = field(
+        default=AUTO,
+        metadata=Flag(
+            "float dtype (default f32)",
+            (AUTO, *DTYPES),
+            commands=COMMANDS | PIPELINE_COMMANDS,
+            compiled=True,
+        ).metadata,
+    )
+    kv_cache_dtype: str = field(
+        default=AUTO,
+        metadata=Flag(
+            "auto (default): the float dtype; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at "
+            "compile time (TVM backend; CPUs and sm_89+)",
+            choices=(AUTO, *KV_CACHE_ALIASES, FLOAT8_KV_CACHE),
+            compiled=True,
+        ).metadata,
+    )
+    activation_bits: int | None = field(
+        default=None,
+        metadata=Flag(
+            "TVM CPU quantized linears: activations quantized to 16 bits (default; greedy tokens as "
+            "transformers float32) or 8 (llama.cpp's rounding: faster prefill and batches, logits further "
+            "off)",
+            choices=(16, 8),
+            type=int,
+            compiled=True,
+        ).metadata,
+    )
+    opt_level: int = field(
+        default=2, metadata=Flag("pass pipeline level", (0, 1, 2), int, PIPELINE_COMMANDS, True).metadata
+    )
+    tensor_parallel_size: int | None = field(
+        default=None,
+        metadata=Flag(
+            "split the model over this many ranks, processes joined by gloo on this machine's CPU (default: "
+            "an artifact's own, else 1); backends tvm and reference; GGUF blocks where they split on block "
+            "boundaries (docs/passes.md)",
+            type=int,
+            compiled=True,
+        ).metadata,
+    )
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=Flag(
+            'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_max": 4}\' (drafts from each sequence\'s own tokens) or \'{"model": '
+            '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\' (drafts from a smaller model '
+            "with the same vocabulary, compiled like the model)",
+            commands=frozenset({"serve", "generate"}),
+        ).metadata,
+    )
+    tuning_logs: str | None = field(
+        default=None,
+        metadata=Flag(
+            "MetaSchedule databases written by `kiln tune` (default: kiln's own tuning_logs/); none: skip",
+            commands=frozenset({"compile", "tune"}),
+        ).metadata,
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=Flag(
+            "CPU threads the artifact runs with (default: all)",
+            type=int,
+            commands=frozenset({"compile", "tune"}),
+        ).metadata,
+    )
+
+    def __post_init__(self) -> None:
+        for option in dataclasses.fields(self):
+            flag = option.metadata.get("flag")
+            value = getattr(self, option.name)
+            if (
+                flag is not None
+                and flag.choices is not None
+                and value is not None
+                and value not in flag.choices
+            ):
+                raise OptionsError(
+                    f"{option.name} {value!r} ({flag_name(option.name)}) is not one of "
+                    f"{', '.join(map(str, flag.choices))}"
+                )
+        object.__setattr__(
+            self, "kv_cache_dtype", KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        )
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise OptionsError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.kv_cache_dtype == FLOAT8_KV_CACHE and (self.tensor_parallel_size or 1) > 1:
+            raise OptionsError(
+                "a float8 KV cache is calibrated on the whole model, not per tensor-parallel rank",
+                hint="drop --kv-cache-dtype, or use --tensor-parallel-size 1",
+            )
+        if isinstance(self.speculative_config, str | Mapping):
+            object.__setattr__(self, "speculative_config", _speculative(self.speculative_config))
+
+    @classmethod
+    def create(cls, model: str, **options: Any) -> ModelOptions:
+        """`kiln.LLM`'s keywords; an unknown keyword is refused naming the known ones."""
+        known = [option.name for option in dataclasses.fields(cls) if option.name != "model"]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise OptionsError(f"unknown option {', '.join(unknown)}", hint=f"options: {', '.join(known)}")
+        return cls(model, **options)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelOptions:
+        """The options of a command line parsed with `add_arguments` (flags not given keep the defaults)."""
+        given = {
+            option.name: getattr(args, option.name)
+            for option in dataclasses.fields(cls)
+            if option.name != "model" and getattr(args, option.name, None) is not None
+        }
+        return cls(args.model, **given)
+
+    def asked(self) -> dict[str, Any]:
+        """The compiled options given explicitly (not auto, not left unset)."""
+        return {
+            name: value
+            for name in compiled_options()
+            if (value := getattr(self, name)) not in (None, AUTO) and value != _default(name)
+        }
+
+
+def compiled_options() -> tuple[str, ...]:
+    """The options that decide the compiled code (`Flag.compiled`), in declaration order."""
+    return tuple(
+        option.name
+        for option in dataclasses.fields(ModelOptions)
+        if option.metadata.get("flag") is not None and option.metadata["flag"].compiled
+    )
+
+
+def flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The model options `command` takes, as flags (a flag not given stays None: the option's default)."""
+    for option in dataclasses.fields(ModelOptions):
+        flag: Flag | None = option.metadata.get("flag")
+        if flag is None or command not in flag.commands:
+            continue
+        parser.add_argument(
+            flag_name(option.name),
+            dest=option.name,
+            default=None,
+            type=flag.type,
+            choices=flag.choices,
+            help=flag.help,
+        )
+
+
+def _default(name: str) -> Any:
+    return next(option.default for option in dataclasses.fields(ModelOptions) if option.name == name)
+
+
+def _speculative(value: str | Mapping[str, Any]) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(value if isinstance(value, str) else dict(value))
+    except (ValueError, TypeError) as error:
+        raise OptionsError(
+            f"speculative config {value!r}: {error}",
+            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or '
+            '{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}',
+        ) from None

@@ -1,0 +1,151 @@
+"""`resolve`: what a request for a model becomes on this host. It decides every `auto` (backend,
+targets, quantization, dtypes, activation bits, ranks), asks the chosen backend once per target whether
+it builds that, and refuses what it does not, naming the option, before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.backends.base import FLOAT8_KV_CACHE, BuildRequest
+from kiln.backends.registry import get_backend
+from kiln.backends.targets import CUDA_ARCHS, Target, TargetError, host_gpu_arch, host_machine, parse_targets
+from kiln.build import PipelineOptions
+from kiln.compiler.options import AUTO, ModelOptions, OptionsError, compiled_options, flag_name
+from kiln.frontend.load import holds_gguf_blocks
+from kiln.runtime.artifact import read_manifest
+
+DEFAULT_DTYPE = "f32"
+DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model to compile: the options as asked, and every choice `auto` left open, made.
+    `kv_cache_dtype`: None (the float dtype) or float8; `quantization`: None for float weights."""
+
+    options: ModelOptions
+    backend: str
+    targets: tuple[Target, ...]
+    reason: str  # why this backend and these targets, for a person
+    quantization: str | None
+    dtype: str
+    kv_cache_dtype: str | None
+    activation_bits: int
+    tensor_parallel_size: int
+
+    @property
+    def model(self) -> str:
+        return self.options.model
+
+    @property
+    def tuning_logs(self) -> Path | None:
+        """--tuning-logs: a folder, "none", or unset for kiln's own (for TVM, the backend that reads them)."""
+        logs = self.options.tuning_logs
+        if logs == "none" or (logs is None and self.backend != "tvm"):
+            return None
+        return Path(logs) if logs is not None else default_tuning_logs()
+
+    def compiled(self) -> dict[str, Any]:
+        """The compiled options as decided: the manifest's `compile` fields and the cache's key."""
+        return {
+            name: getattr(self if hasattr(self, name) else self.options, name) for name in compiled_options()
+        }
+
+    def pipeline(self, context_len: int | None = None) -> PipelineOptions:
+        """What the pass pipeline is asked for (the fields of `compiled` it knows), for sequences of up to
+        `context_len` tokens (None: the model's own maximum)."""
+        compiled = self.compiled()
+        known = {f.name: compiled[f.name] for f in dataclasses.fields(PipelineOptions) if f.name in compiled}
+        return PipelineOptions(**known, context_len=context_len)
+
+
+def default_tuning_logs() -> Path:
+    """The tuning logs shipped with kiln (the repo's tuning_logs/, package data in a wheel)."""
+    return Path(__file__).resolve().parents[1] / "tuning_logs"
+
+
+def resolve(options: ModelOptions) -> Plan:
+    """The plan for compiling `options.model` (not an artifact folder: see `check_artifact_options`)."""
+    world = options.tensor_parallel_size or 1
+    backend, targets, reason = _backend_and_targets(options.backend, options.target, world)
+    quantization = options.quantization
+    if quantization == AUTO:
+        quantization = "gguf" if holds_gguf_blocks(options.model) else "none"
+    dtype = DEFAULT_DTYPE if options.dtype == AUTO else options.dtype
+    plan = Plan(
+        options=options,
+        backend=backend,
+        targets=targets,
+        reason=reason,
+        quantization=None if quantization == "none" else quantization,
+        dtype=dtype,
+        kv_cache_dtype=FLOAT8_KV_CACHE if options.kv_cache_dtype == FLOAT8_KV_CACHE else None,
+        activation_bits=options.activation_bits or DEFAULT_ACTIVATION_BITS,
+        tensor_parallel_size=world,
+    )
+    _refuse_what_cannot_build(plan)
+    return plan
+
+
+def _backend_and_targets(backend: str, target: str | None, world: int) -> tuple[str, tuple[Target, ...], str]:
+    """auto: TVM for the local GPU's sm_XX where this host can build for it, else TVM for this CPU (CPU
+    ranks for tensor parallelism); the reference backend only when asked for."""
+    if target is None and world > 1:
+        target = "cpu"
+    if target is not None:
+        try:
+            targets = tuple(parse_targets(target))
+        except TargetError as error:
+            raise OptionsError(str(error), hint=error.hint) from None
+        if backend == AUTO:
+            return "tvm", targets, f"--target {target}"
+        return backend, targets, f"--backend {backend} --target {target}"
+    cpu = (Target("cpu"),)
+    if backend != AUTO:
+        return backend, cpu, f"--backend {backend}"
+    arch = host_gpu_arch()
+    if arch is None:
+        return "tvm", cpu, "no NVIDIA GPU here: TVM for this CPU"
+    if arch not in CUDA_ARCHS:
+        return "tvm", cpu, f"the GPU is {arch}, not one of {', '.join(CUDA_ARCHS)}: TVM CPU"
+    gpu = Target("cuda", arch, host_machine())
+    unavailable = get_backend("tvm").capabilities(gpu).unavailable
+    if unavailable is not None:
+        return "tvm", cpu, f"this host cannot build for its GPU ({unavailable.reason}): TVM CPU"
+    return "tvm", (gpu,), f"the local GPU is {arch}"
+
+
+def _refuse_what_cannot_build(plan: Plan) -> None:
+    request = BuildRequest(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(BuildRequest)})
+    backend = get_backend(plan.backend)
+    for target in plan.targets:
+        refusal = backend.capabilities(target).refusal(request)
+        if refusal is not None:
+            raise OptionsError(refusal.reason, hint=refusal.hint)
+
+
+def check_artifact_options(folder: Path, options: ModelOptions) -> None:
+    """An artifact runs as it was compiled: compiled options asked for explicitly must be what it holds."""
+    manifest = read_manifest(folder)
+    held_options = {**_OLDER_MANIFESTS, **manifest["compile"]}
+    backends = sorted({entry["backend"] for entry in manifest["targets"].values()})
+    for name, value in options.asked().items():
+        held = backends if name == "backend" else [_as_asked(held_options.get(name))]
+        if value not in held:
+            flag = flag_name(name)
+            raise OptionsError(
+                f"{folder} is an artifact compiled with {name} {', '.join(map(str, held))}, not {value}",
+                hint=f"drop {flag} to run it as compiled, or compile the model again with {flag} {value}",
+            )
+
+
+# what a manifest means where it lacks a field (written before the option existed)
+_OLDER_MANIFESTS = {"activation_bits": DEFAULT_ACTIVATION_BITS, "tensor_parallel_size": 1}
+
+
+def _as_asked(held: Any) -> Any:
+    """A manifest's value as an option would ask for it (float weights: none; the float KV cache: auto)."""
+    return "none" if held is None else held

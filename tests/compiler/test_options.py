@@ -1,0 +1,89 @@
+"""ModelOptions: every option declared once, validated before anything loads, the same for the CLI and
+kiln.LLM."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kiln
+from kiln.compiler import ModelOptions, OptionsError, add_arguments
+from kiln.compiler.options import compiled_options
+
+
+@pytest.fixture
+def unloadable_model(tmp_path: Path) -> Path:
+    """A model folder whose config.json does not parse: anything that loads it fails, so a refusal that
+    names the options proves nothing was loaded first."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    return folder
+
+
+def test_a_bad_combination_is_refused_by_kiln_llm_before_the_model_loads(unloadable_model: Path) -> None:
+    with pytest.raises(OptionsError, match="a float8 KV cache runs on tvm and reference, not onnxruntime"):
+        kiln.LLM(str(unloadable_model), backend="onnxruntime", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "compile"])
+def test_a_bad_combination_is_refused_by_the_cli_before_the_model_loads(
+    unloadable_model: Path, command: str, tmp_path: Path
+) -> None:
+    extra = {"generate": ["--prompt", "hi"], "serve": [], "compile": ["-o", str(tmp_path / "out")]}[command]
+    args = [str(unloadable_model), "--backend", "onnxruntime", "--kv-cache-dtype", "fp8", *extra]
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", command, *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    assert "a float8 KV cache runs on tvm and reference, not onnxruntime" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_values_outside_an_options_choices_are_refused_naming_the_flag() -> None:
+    with pytest.raises(OptionsError, match=r"kv_cache_dtype 'fp9' \(--kv-cache-dtype\) is not one of"):
+        ModelOptions("m", kv_cache_dtype="fp9")
+    with pytest.raises(OptionsError, match=r"activation_bits 4 \(--activation-bits\)"):
+        ModelOptions("m", activation_bits=4)
+    with pytest.raises(OptionsError, match="unknown option kv_dtype"):
+        ModelOptions.create("m", kv_dtype="fp8")
+    with pytest.raises(OptionsError, match="speculative config"):
+        ModelOptions("m", speculative_config='{"method": "medusa"}')
+
+
+def test_the_fp8_alias_is_resolved_in_the_options() -> None:
+    assert ModelOptions("m", kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(OptionsError, match="calibrated on the whole model"):
+        ModelOptions("m", kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+def test_the_cli_flags_and_the_llm_keywords_are_the_options_fields() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_arguments(parser, "compile")
+    args = parser.parse_args(["m", "--kv-cache-dtype", "fp8", "--activation-bits", "8", "--group-size", "64"])
+    options = ModelOptions.from_args(args)
+    assert options == ModelOptions.create("m", kv_cache_dtype="fp8", activation_bits=8, group_size=64)
+    flags = {action.dest for action in parser._actions} - {"help", "model"}
+    compile_flags = {
+        f.name
+        for f in dataclasses.fields(ModelOptions)
+        if f.name != "model" and "compile" in f.metadata["flag"].commands
+    }
+    assert flags == compile_flags
+    assert set(compiled_options()) == {
+        "backend",
+        "quantization",
+        "group_size",
+        "dtype",
+        "kv_cache_dtype",
+        "activation_bits",
+        "opt_level",
+        "tensor_parallel_size",
+    }
+    assert options.asked() == {"kv_cache_dtype": "fp8_e4m3", "activation_bits": 8, "group_size": 64}
