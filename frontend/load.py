@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.gguf_loader import QUANTIZED_TYPES, load_gguf, open_gguf
+from kiln.frontend.gguf_header import gguf_tensor_types
+from kiln.frontend.gguf_loader import QUANTIZED_TYPES, load_gguf
 from kiln.frontend.hf_loader import load_hf_dir
 from kiln.frontend.pull import resolve_model
 from kiln.frontend.source import ModelSource
@@ -35,7 +36,7 @@ def holds_gguf_blocks(name_or_path: str) -> bool:
         path = ggufs[0]
     if not (path.suffix == ".gguf" or _has_gguf_magic(path)):
         return False
-    return any(tensor.tensor_type.name in QUANTIZED_TYPES for tensor in open_gguf(path).tensors)
+    return any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(path))
 
 
 def _load_dir(path: Path) -> ModelSource:

@@ -1,0 +1,77 @@
+"""The tensor types of a GGUF file from its header alone, skimmed without decoding the metadata
+(gguf's reader decodes every key, the tokenizer's 150,000 strings included: seconds for a model a
+plan only needs to know is quantized)."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+import gguf
+
+from kiln.errors import ModelLoadError
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.at = 0
+
+    def u32(self) -> int:
+        (value,) = struct.unpack_from("<I", self.data, self.at)
+        self.at += 4
+        return int(value)
+
+    def u64(self) -> int:
+        (value,) = struct.unpack_from("<Q", self.data, self.at)
+        self.at += 8
+        return int(value)
+
+    def skip_string(self) -> None:
+        length = self.u64()
+        self.at += length
+
+    def skip_value(self, value_type: int) -> None:
+        if value_type == _STRING:
+            self.skip_string()
+        elif value_type == _ARRAY:
+            item_type, count = self.u32(), self.u64()
+            if item_type in _SCALAR_BYTES:
+                self.at += count * _SCALAR_BYTES[item_type]
+            else:
+                for _ in range(count):
+                    self.skip_value(item_type)
+        elif value_type in _SCALAR_BYTES:
+            self.at += _SCALAR_BYTES[value_type]
+        else:
+            raise ValueError(f"unknown GGUF value type {value_type}")
+
+
+def gguf_tensor_types(path: Path) -> list[str]:
+    """The ggml type name of every tensor in the GGUF file `path` (F32, Q4_K, ...), in file order."""
+    try:
+        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            if data[:4] != b"GGUF":
+                raise ValueError(f"it starts with {data[:4]!r}, not b'GGUF'")
+            cursor.at = 8  # magic, version
+            num_tensors, num_fields = cursor.u64(), cursor.u64()
+            for _ in range(num_fields):
+                cursor.skip_string()
+                cursor.skip_value(cursor.u32())
+            types = []
+            for _ in range(num_tensors):
+                cursor.skip_string()
+                num_dims = cursor.u32()
+                cursor.at += 8 * num_dims
+                types.append(gguf.GGMLQuantizationType(cursor.u32()).name)
+                cursor.at += 8  # the data offset
+            return types
+    except (OSError, ValueError, struct.error) as error:
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({error})", hint="pass a llama.cpp .gguf model file"
+        ) from None
