@@ -64,6 +64,7 @@ from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.tirx import Buffer
 
 from kiln.backends.tvm.kernels.linear import DTYPE_NAMES, QuantSpec
 
@@ -267,411 +268,750 @@ def _word_columns(cols_0_3: Expr, cols_4_7: Expr) -> Expr:
     return T.Shuffle([pairs], [0, 1, 4, 5, 2, 3, 6, 7])
 
 
-def int_dot_gemm_kernel(
-    k: int,
-    n: int,
-    spec: QuantSpec,
-    has_bias: bool,
-    isa: Isa,
-    plane: Plane | None = None,
-    activation_bits: int = 16,
-    scale_per: int = 0,
-    experts: int = 0,
-    top_k: int = 1,
-    slot_input: bool = False,
-) -> tirx.PrimFunc:
-    """`scale_per` > 0: scales (and zeros) come factored, an int8 a group times a float32 a run of
-    `scale_per` groups (layouts.py `factored_*`; GGUF K-quants: d * sc), else as they are.
-    `experts` > 0: the mixture-of-experts form (module docstring); it takes `order` and `offsets`
-    after `which`, and its rows are slots (top_k a token)."""
-    tile = int_dot_tile(n, spec, isa)
-    assert tile is not None, (n, spec, isa)
-    lanes, width = isa.lanes, isa.bytes
-    vectors = tile // lanes
-    group = spec.group_size
-    groups = k // group
-    block = activation_block(group)
-    assert block is not None
-    blocks = k // block
-    per_group = group // block
-    plane = plane or weight_plane(spec)
-    assert plane is not None
-    nibbles = plane.nibbles
-    steps = k // (8 if nibbles else 4)  # rows of weight bytes: 8 k values a nibble row, 4 a byte row
-    high_pairs = plane.pairs_a_high_row
-    high_shift = plane.bits - 4  # bits above the nibble
-    high_mask = T.broadcast(T.uint8((1 << high_shift) - 1 if nibbles else 0), width)
-    block_pairs = block // 8
-    strips = n // tile
-    stored = DTYPE_NAMES[spec.scale_dtype]
-    scheme = {"symmetric": 0, "min": 1, "zero_point": 2}[spec.scheme]
-    # the dot is of u = q + offset: subtract offset * sum(xq), except where AVX2 takes int8 signed
-    # word dots: int16 activations times the weights widened to int16, two accumulators a vector
-    # (columns 0-3 and 4-7, each column's lanes a pair), so as many registers as two int8 halves
-    words = isa.word_dot and activation_bits == 16 and not nibbles
-    offset = plane.offset if nibbles or isa.unsigned_int8 or words else 0
-    halves = 1 if words else activation_bits // 8  # int16 activations v = 255 * high + low, two int8 dots
-    levels = {8: 127, 16: 255 * 127}[activation_bits]  # |high|, |low| <= 127 (vpsignb negates them)
-    # AVX2, nibble planes: vpmaddubsw's int16 lanes hold the sums of `short_pairs` rows of 8 k (a whole
-    # block for 4-bit values, half of one for 5-bit), so they widen to int32 that often, not every 8 k
-    short_pairs = _short_pairs(block_pairs, plane) if isa.name == "avx2" and nibbles else 1
-    short_sums = short_pairs > 1
-    accumulators = 2 if words else halves  # int32 vectors a row and vector of columns
-    row_block = 4 // accumulators  # rows a strip pass keeps in registers: row_block x vectors x 2
-    xq_dtype = "int16" if words else "int8"
-    # many rows: one vector of columns at a time, so that a weight vector unpacked once feeds
-    # `narrow_rows` rows (as many accumulators as a full-width pass)
-    narrow_rows = row_block * vectors
-    dot_pair = _dot_pair(isa, nibbles)
-    nibble = T.broadcast(T.uint8(15), width)
-    four = T.broadcast(T.uint8(4), width)
+@dataclass(frozen=True)
+class IntDotPlan:
+    """One int-dot kernel's design, fixed at compile time (module docstring): the strips and the row
+    passes over them (tile choice), the activations' blocks, the weight plane (load), the dot
+    instructions (inner product) and the scales' form (epilogue)."""
 
-    factored = scale_per > 0
-    weight_strips = strips * max(experts, 1)
-    super_shape = (weight_strips, groups // scale_per, tile) if factored else (weight_strips, groups, tile)
-    sub_dtype = "int8" if factored else stored
-    super_dtype = "float32" if factored else stored
+    k: int
+    n: int
+    spec: QuantSpec
+    has_bias: bool
+    isa: Isa
+    plane: Plane
+    tile: int  # columns a strip
+    activation_bits: int = 16
+    scale_per: int = 0  # > 0: factored scales, an int8 a group times a float32 a run of this many groups
+    experts: int = 0  # > 0: the mixture-of-experts form; its rows are slots, top_k a token
+    top_k: int = 1
+    slot_input: bool = False  # experts: a slot's input row is the slot itself, not its token
 
-    def scale_of(sub: Any, above: Any, jo: Expr, g: Expr, lane: Expr) -> Expr:  # group g's float32
-        if factored:
-            return above[jo, g // scale_per, lane] * T.Cast("float32", sub[jo, g, lane])
-        return T.Cast("float32", sub[jo, g, lane])
-
-    def x4(xq: Any, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
-        return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
-
-    def word_weights(w: Any, wj: Expr, pair: Expr, column_byte: Expr, half: int) -> Expr:
-        """Words: 4 columns' weights u = q + 128 from `column_byte`, k 8 pair + 4 half + 0..3 each."""
-        row_bytes = w.vload([wj, pair * 2 + half, column_byte], "int8x16")
-        return T.Cast("int16x16", T.reinterpret(row_bytes, dtype="uint8x16"))
-
-    def x_words(xq: Any, row: Expr, index: Expr) -> Expr:  # xq[0, row, 4 index : 4 index + 4] x 4
-        four_words = T.reinterpret(xq.vload([0, row, index * 4], "int16x4"), dtype="int64")
-        return T.reinterpret(T.broadcast(four_words, 4), dtype="int16x16")
-
-    def in_row(rows_in: Any, row0: Expr, r: Expr) -> Expr:  # the activation row of pass row r
-        return rows_in[r] if experts else row0 + r
-
-    def out_row(rows_out: Any, row0: Expr, r: Expr) -> Expr:
-        return rows_out[r] if experts else row0 + r
-
-    def input_of(slot: Expr) -> Expr:  # experts: a slot's activation row
-        return slot if slot_input else slot // top_k
-
-    def block_index(g: Expr, bi: Expr) -> Expr:  # activation block bi of group g
-        return g * per_group + bi
-
-    def pair_of(g: Expr, bi: Expr, p: Expr) -> Expr:  # the row of 8 k values (a nibble row)
-        return block_index(g, bi) * block_pairs + p
-
-    @T.macro
-    def dot_step(dots, half, row0, count, nv, pair, xq, low, high, rows_in):
-        # dots[r, v] += the 8 k of `pair`, activation half `half`, rows row0.., nv vectors
-        for r in T.unroll(count):
-            for v in T.unroll(nv):
-                dots[r, T.ramp(v * lanes, 1, lanes)] = dot_pair(
-                    dots.vload([r, v * lanes], f"int32x{lanes}"),
-                    low.vload([v, 0], f"uint8x{width}"),
-                    x4(xq, half, in_row(rows_in, row0, r), pair * 2),
-                    high.vload([v, 0], f"uint8x{width}"),
-                    x4(xq, half, in_row(rows_in, row0, r), pair * 2 + 1),
-                )
-
-    @T.macro
-    def short_step(sums, half, row0, count, nv, pair, xq, low, high, rows_in):
-        # sums[r, v] (int16 lanes, two a column) += the 8 k of `pair`, activation half `half`
-        for r in T.unroll(count):
-            for v in T.unroll(nv):
-                sums[r, T.ramp(v * 16, 1, 16)] = (
-                    sums.vload([r, v * 16], "int16x16")
-                    + _byte_products(
-                        low.vload([v, 0], f"uint8x{width}"),
-                        _in_every_lane(x4(xq, half, in_row(rows_in, row0, r), pair * 2), isa),
-                    )
-                    + _byte_products(
-                        high.vload([v, 0], f"uint8x{width}"),
-                        _in_every_lane(x4(xq, half, in_row(rows_in, row0, r), pair * 2 + 1), isa),
-                    )
-                )
-
-    def word_dots(xq: Any, row: Expr, pair: Expr, low: Any, high: Any, half: Expr) -> Expr:
-        # words: low[half] holds k 8 pair + 0..3 of 4 columns, high k + 4..7; lane pairs a column
-        return _word_products(low.vload([half, 0], "int16x16"), x_words(xq, row, pair * 2)) + _word_products(
-            high.vload([half, 0], "int16x16"), x_words(xq, row, pair * 2 + 1)
+    @classmethod
+    def choose(
+        cls,
+        k: int,
+        n: int,
+        spec: QuantSpec,
+        has_bias: bool,
+        isa: Isa,
+        plane: Plane | None = None,
+        activation_bits: int = 16,
+        scale_per: int = 0,
+        experts: int = 0,
+        top_k: int = 1,
+        slot_input: bool = False,
+    ) -> IntDotPlan:
+        tile = int_dot_tile(n, spec, isa)
+        assert tile is not None, (n, spec, isa)
+        assert activation_block(spec.group_size) is not None
+        plane = plane or weight_plane(spec)
+        assert plane is not None
+        return cls(
+            k, n, spec, has_bias, isa, plane, tile, activation_bits, scale_per, experts, top_k, slot_input
         )
 
-    @T.macro
-    def word_dot_step(dots, dots_high, row0, count, nv, pair, xq, low, high, rows_in):
-        # dots: columns 0-3 of each vector v (words low[2 v], high[2 v]), dots_high: 4-7 (2 v + 1)
-        for r in T.unroll(count):
-            for v in T.unroll(nv):
-                dots[r, T.ramp(v * lanes, 1, lanes)] = dots.vload(
-                    [r, v * lanes], f"int32x{lanes}"
-                ) + word_dots(xq, in_row(rows_in, row0, r), pair, low, high, v * 2)
-                dots_high[r, T.ramp(v * lanes, 1, lanes)] = dots_high.vload(
-                    [r, v * lanes], f"int32x{lanes}"
-                ) + word_dots(xq, in_row(rows_in, row0, r), pair, low, high, v * 2 + 1)
+    # Tile choice: strips of `tile` columns in parallel, passes of rows over each.
 
-    @T.macro
-    def rows_of_strip(jo, wj, row0, count, v0, nv, buffers):
-        w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = buffers[:10]
-        bias, y_rows, order, acc, part, dots, dots_low, low, high, rows_in, rows_out = buffers[10:21]
-        low_words, high_words, short, short_low = buffers[21:]
-        # `count` rows from row0 by `nv` vectors of columns from vector v0, strip jo (weights: strip wj);
-        # experts: row0 is a position in `order`
-        if experts > 0:
-            for r in T.unroll(count):
-                rows_out[r] = order[row0 + r]
-                rows_in[r] = input_of(order[row0 + r])
-        for r in T.unroll(count):
-            for lane in T.vectorized(nv * lanes):
-                acc[r, lane] = T.float32(0)
-        for g in T.serial(groups):
-            if per_group > 1:
-                for r in T.unroll(count):
-                    for lane in T.vectorized(nv * lanes):
-                        part[r, lane] = T.float32(0)
-            for bi in T.serial(per_group):
-                for r in T.unroll(count):
-                    for lane in T.vectorized(nv * lanes):
-                        dots[r, lane] = 0
-                        if accumulators == 2:
-                            dots_low[r, lane] = 0
-                for p in T.unroll(block_pairs):  # 8 k values: one nibble row of bytes, two byte rows
-                    if short_sums and p % short_pairs == 0:
-                        for r in T.unroll(count):
-                            for lane in T.vectorized(nv * 16):
-                                short[r, lane] = T.int16(0)
-                                if halves == 2:
-                                    short_low[r, lane] = T.int16(0)
-                    for v in T.unroll(nv):
-                        if words:
-                            for h in T.unroll(2):
-                                low_words[v * 2 + h, T.ramp(0, 1, 16)] = word_weights(
-                                    w, wj, pair_of(g, bi, p), (v0 + v) * width + h * 16, 0
-                                )
-                                high_words[v * 2 + h, T.ramp(0, 1, 16)] = word_weights(
-                                    w, wj, pair_of(g, bi, p), (v0 + v) * width + h * 16, 1
-                                )
-                        elif nibbles and high_shift > 0:
-                            low[v, T.ramp(0, 1, width)] = (
-                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
-                            ) | (
-                                (
-                                    w_high.vload(
-                                        [wj, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
-                                        f"uint8x{width}",
-                                    )
-                                    >> T.broadcast(T.uint8(high_shift * 2 * (p % high_pairs)), width)
-                                )
-                                & high_mask
-                            ) << four
-                            high[v, T.ramp(0, 1, width)] = (
-                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
-                            ) | (
-                                (
-                                    w_high.vload(
-                                        [wj, pair_of(g, bi, p) // high_pairs, (v0 + v) * width],
-                                        f"uint8x{width}",
-                                    )
-                                    >> T.broadcast(T.uint8(high_shift * (2 * (p % high_pairs) + 1)), width)
-                                )
-                                & high_mask
-                            ) << four
-                        elif nibbles:
-                            low[v, T.ramp(0, 1, width)] = (
-                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") & nibble
-                            )
-                            high[v, T.ramp(0, 1, width)] = (
-                                w.vload([wj, pair_of(g, bi, p), (v0 + v) * width], f"uint8x{width}") >> four
-                            ) & nibble
-                        else:
-                            low[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([wj, pair_of(g, bi, p) * 2, (v0 + v) * width], f"int8x{width}"),
-                                dtype=f"uint8x{width}",
-                            )
-                            high[v, T.ramp(0, 1, width)] = T.reinterpret(
-                                w.vload([wj, pair_of(g, bi, p) * 2 + 1, (v0 + v) * width], f"int8x{width}"),
-                                dtype=f"uint8x{width}",
-                            )
-                    if words:
-                        pair = pair_of(g, bi, p)
-                        word_dot_step(
-                            dots, dots_low, row0, count, nv, pair, xq, low_words, high_words, rows_in
-                        )
-                    elif short_sums:
-                        short_step(short, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
-                        if halves == 2:
-                            short_step(
-                                short_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in
-                            )
-                    else:
-                        dot_step(dots, 0, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
-                        if halves == 2:
-                            dot_step(dots_low, 1, row0, count, nv, pair_of(g, bi, p), xq, low, high, rows_in)
-                    if short_sums and p % short_pairs == short_pairs - 1:
-                        for r in T.unroll(count):
-                            for v in T.unroll(nv):
-                                if halves == 2:  # 255 * high + low, the sums' bound times 255 fits int32
-                                    dots[r, T.ramp(v * lanes, 1, lanes)] = (
-                                        dots.vload([r, v * lanes], f"int32x{lanes}")
-                                        + _widen(short.vload([r, v * 16], "int16x16"), 255)
-                                        + _widen(short_low.vload([r, v * 16], "int16x16"))
-                                    )
-                                else:
-                                    dots[r, T.ramp(v * lanes, 1, lanes)] = dots.vload(
-                                        [r, v * lanes], f"int32x{lanes}"
-                                    ) + _widen(short.vload([r, v * 16], "int16x16"))
-                if words:
-                    for r in T.unroll(count):
-                        for v in T.unroll(nv):
-                            dots[r, T.ramp(v * lanes, 1, lanes)] = _word_columns(
-                                dots.vload([r, v * lanes], f"int32x{lanes}"),
-                                dots_low.vload([r, v * lanes], f"int32x{lanes}"),
-                            )
-                for r in T.unroll(count):
-                    for lane in T.vectorized(nv * lanes):
-                        if halves == 2 and not short_sums:
-                            dots[r, lane] = dots[r, lane] * 255 + dots_low[r, lane]
-                        if offset != 0:
-                            dots[r, lane] = (
-                                dots[r, lane] - offset * xq_sums[in_row(rows_in, row0, r), block_index(g, bi)]
-                            )
-                        if per_group == 1:
-                            part[r, lane] = x_scales[in_row(rows_in, row0, r), block_index(g, bi)] * T.Cast(
-                                "float32", dots[r, lane]
-                            )
-                        else:
-                            part[r, lane] = part[r, lane] + x_scales[
-                                in_row(rows_in, row0, r), block_index(g, bi)
-                            ] * T.Cast("float32", dots[r, lane])
-            for r in T.unroll(count):
-                for lane in T.vectorized(nv * lanes):
-                    if scheme == 0:
-                        acc[r, lane] = (
-                            acc[r, lane]
-                            + scale_of(scales, scales_super, wj, g, v0 * lanes + lane) * part[r, lane]
-                        )
-                    elif scheme == 1:
-                        acc[r, lane] = (
-                            acc[r, lane]
-                            + scale_of(scales, scales_super, wj, g, v0 * lanes + lane) * part[r, lane]
-                            + scale_of(zeros, zeros_super, wj, g, v0 * lanes + lane)
-                            * x_sums[in_row(rows_in, row0, r), g]
-                        )
-                    else:
-                        acc[r, lane] = acc[r, lane] + scale_of(
-                            scales, scales_super, wj, g, v0 * lanes + lane
-                        ) * (
-                            part[r, lane]
-                            - scale_of(zeros, zeros_super, wj, g, v0 * lanes + lane)
-                            * x_sums[in_row(rows_in, row0, r), g]
-                        )
-        for r in T.unroll(count):
-            for lane in T.vectorized(nv * lanes):
-                if has_bias:
-                    y_rows[out_row(rows_out, row0, r), jo * tile + v0 * lanes + lane] = (
-                        acc[r, lane] + bias[jo * tile + v0 * lanes + lane]
-                    )
-                else:
-                    y_rows[out_row(rows_out, row0, r), jo * tile + v0 * lanes + lane] = acc[r, lane]
+    @property
+    def lanes(self) -> int:  # int32 columns a vector
+        return self.isa.lanes
 
-    @T.macro
-    def quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums):
-        for row in T.parallel(rows):
-            with T.sblock("quantize"):
-                T.reads()
-                T.writes()
-                amax = T.sblock_alloc_buffer((1,), "float32")
-                total = T.sblock_alloc_buffer((1,), "int32")
-                value = T.sblock_alloc_buffer((1,), "int32")
-                for b in T.serial(blocks):
-                    amax[0] = T.float32(0)
-                    for i in T.serial(block):
-                        amax[0] = T.max(amax[0], T.fabs(x[row, b * block + i]))
-                    x_scales[row, b] = amax[0] / T.float32(levels)
-                    total[0] = 0
-                    for i in T.serial(block):
-                        value[0] = T.Cast(
-                            "int32",
-                            T.round(
-                                x[row, b * block + i]
-                                * T.if_then_else(
-                                    amax[0] > T.float32(0), T.float32(levels) / amax[0], T.float32(0)
-                                )
-                            ),
-                        )
-                        total[0] = total[0] + value[0]
-                        if halves == 2:
-                            xq[0, row, b * block + i] = T.Cast("int8", T.floordiv(value[0] + 127, 255))
-                            xq[1, row, b * block + i] = T.Cast(
-                                "int8", value[0] - 255 * T.floordiv(value[0] + 127, 255)
-                            )
-                        else:
-                            xq[0, row, b * block + i] = T.Cast(xq_dtype, value[0])
-                    xq_sums[row, b] = total[0]
-                if scheme != 0:
-                    for g in T.serial(groups):
-                        x_sums[row, g] = T.float32(0)
-                        for i in T.serial(group):
-                            x_sums[row, g] = x_sums[row, g] + x[row, g * group + i]
+    @property
+    def width(self) -> int:  # bytes a weight vector
+        return self.isa.bytes
 
-    def words_shape(vectors: int) -> tuple[int, int]:  # weights as words: 2 x 4 columns a vector
-        return (vectors * 2, 16) if words else (1, 16)
+    @property
+    def vectors(self) -> int:  # vectors of columns a strip
+        return self.tile // self.lanes
 
-    def short_shape(rows: int, vectors: int) -> tuple[int, int]:  # int16 sums: 16 lanes a vector
-        return (rows, vectors * 16) if short_sums else (1, 16)
+    @property
+    def strips(self) -> int:
+        return self.n // self.tile
 
-    @T.macro
-    def strip_passes(jo, wj, base, rows, operands):
-        # scratch in the default scope, each under 1 KiB: TVM keeps those on the stack (so in
-        # registers after LLVM's SROA); it sends "local" ones to the heap workspace
-        wide = (  # accumulators and unpacked weights of a pass over the whole strip; experts' rows
-            T.sblock_alloc_buffer((row_block, tile), "float32"),
-            T.sblock_alloc_buffer((row_block, tile), "float32"),
-            T.sblock_alloc_buffer((row_block, tile), "int32"),
-            T.sblock_alloc_buffer((row_block, tile), "int32"),
-            T.sblock_alloc_buffer((vectors, width), "uint8"),
-            T.sblock_alloc_buffer((vectors, width), "uint8"),
-            T.sblock_alloc_buffer((row_block,), "int32"),
-            T.sblock_alloc_buffer((row_block,), "int32"),
-            T.sblock_alloc_buffer(words_shape(vectors), "int16"),
-            T.sblock_alloc_buffer(words_shape(vectors), "int16"),
-            T.sblock_alloc_buffer(short_shape(row_block, vectors), "int16"),
-            T.sblock_alloc_buffer(short_shape(row_block, vectors), "int16"),
-        )
-        narrow = (  # ... of a pass over one vector of columns
-            T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
-            T.sblock_alloc_buffer((narrow_rows, lanes), "float32"),
-            T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
-            T.sblock_alloc_buffer((narrow_rows, lanes), "int32"),
-            T.sblock_alloc_buffer((1, width), "uint8"),
-            T.sblock_alloc_buffer((1, width), "uint8"),
-            T.sblock_alloc_buffer((narrow_rows,), "int32"),
-            T.sblock_alloc_buffer((narrow_rows,), "int32"),
-            T.sblock_alloc_buffer(words_shape(1), "int16"),
-            T.sblock_alloc_buffer(words_shape(1), "int16"),
-            T.sblock_alloc_buffer(short_shape(narrow_rows, 1), "int16"),
-            T.sblock_alloc_buffer(short_shape(narrow_rows, 1), "int16"),
-        )
-        for a in T.serial(rows // narrow_rows):
-            for vector in T.serial(vectors):
-                rows_of_strip(jo, wj, base + a * narrow_rows, narrow_rows, vector, 1, operands + narrow)
-        for a in T.serial(rows % narrow_rows // row_block):
-            rows_of_strip(
-                jo,
-                wj,
-                base + rows - rows % narrow_rows + a * row_block,
-                row_block,
-                0,
-                vectors,
-                operands + wide,
+    @property
+    def weight_strips(self) -> int:  # experts: every expert's strips, stacked
+        return self.strips * max(self.experts, 1)
+
+    @property
+    def row_block(self) -> int:  # rows a pass over the whole strip keeps in registers (x vectors x 2)
+        return 4 // self.accumulators
+
+    @property
+    def narrow_rows(self) -> int:
+        """Rows of a pass over one vector of columns (many rows): a weight vector unpacked once feeds
+        them all, with as many accumulators as a pass over the whole strip."""
+        return self.row_block * self.vectors
+
+    # Activations: quantized a block of `block` values at a time, `halves` int8 dots (or one of words).
+
+    @property
+    def group(self) -> int:
+        return self.spec.group_size
+
+    @property
+    def groups(self) -> int:
+        return self.k // self.group
+
+    @property
+    def block(self) -> int:
+        block = activation_block(self.group)
+        assert block is not None
+        return block
+
+    @property
+    def blocks(self) -> int:
+        return self.k // self.block
+
+    @property
+    def per_group(self) -> int:  # activation blocks a weight group
+        return self.group // self.block
+
+    @property
+    def block_pairs(self) -> int:  # rows of 8 k a block
+        return self.block // 8
+
+    @property
+    def words(self) -> bool:
+        """AVX2, int8 weights, 16-bit activations: int16 activations times the weights widened to int16,
+        two accumulators a vector (columns 0-3 and 4-7, a lane pair a column), as many registers as two
+        int8 halves."""
+        return self.isa.word_dot and self.activation_bits == 16 and not self.nibbles
+
+    @property
+    def halves(self) -> int:  # int16 activations v = 255 * high + low: two int8 dots
+        return 1 if self.words else self.activation_bits // 8
+
+    @property
+    def levels(self) -> int:  # |high|, |low| <= 127 (vpsignb negates them)
+        return {8: 127, 16: 255 * 127}[self.activation_bits]
+
+    @property
+    def xq_dtype(self) -> str:
+        return "int16" if self.words else "int8"
+
+    # Load: the weights as unsigned bytes u = q + offset, nibbles (8 k a row of bytes) or bytes (4 k).
+
+    @property
+    def nibbles(self) -> bool:
+        return self.plane.nibbles
+
+    @property
+    def weight_dtype(self) -> str:
+        return "uint8" if self.nibbles else "int8"
+
+    @property
+    def steps(self) -> int:  # rows of weight bytes
+        return self.k // (8 if self.nibbles else 4)
+
+    @property
+    def high_pairs(self) -> int:
+        return self.plane.pairs_a_high_row
+
+    @property
+    def high_shift(self) -> int:  # bits above the nibble
+        return self.plane.bits - 4
+
+    @property
+    def offset(self) -> int:
+        """The dot is of u = q + offset: it subtracts offset * sum(xq), except where AVX2 takes int8
+        weights signed."""
+        return self.plane.offset if self.nibbles or self.isa.unsigned_int8 or self.words else 0
+
+    # Inner product: `dot_pair` every 8 k, or AVX2 nibble planes' int16 sums of `short_pairs` rows of 8 k.
+
+    @property
+    def dot_pair(self) -> DotPair:
+        return _dot_pair(self.isa, self.nibbles)
+
+    @property
+    def short_pairs(self) -> int:
+        """AVX2, nibble planes: vpmaddubsw's int16 lanes hold the sums of this many rows of 8 k (a whole
+        block for 4-bit values, half of one for 5-bit), so they widen to int32 that often, not every 8 k."""
+        return _short_pairs(self.block_pairs, self.plane) if self.isa.name == "avx2" and self.nibbles else 1
+
+    @property
+    def short_sums(self) -> bool:
+        return self.short_pairs > 1
+
+    @property
+    def accumulators(self) -> int:  # int32 vectors a row and vector of columns
+        return 2 if self.words else self.halves
+
+    # Epilogue: the float32 sums times the weight groups' scales, and zeros or mins.
+
+    @property
+    def factored(self) -> bool:
+        return self.scale_per > 0
+
+    @property
+    def sub_dtype(self) -> str:  # of the scales a group (factored: their int8 factors)
+        return "int8" if self.factored else DTYPE_NAMES[self.spec.scale_dtype]
+
+    @property
+    def super_dtype(self) -> str:  # of the float32 a run of groups (else the scales again, unread)
+        return "float32" if self.factored else DTYPE_NAMES[self.spec.scale_dtype]
+
+    @property
+    def super_shape(self) -> tuple[int, int, int]:
+        runs = self.groups // self.scale_per if self.factored else self.groups
+        return (self.weight_strips, runs, self.tile)
+
+
+# The TIR macros below are module-level: each captures the module's globals defined above it when it
+# is defined, so helpers come before the macros that use them.
+
+
+# Rows and blocks: where a pass row's activations and outputs are, which activation block and row of
+# 8 k.
+
+
+def _in_row(plan: IntDotPlan, rows_in: Buffer, row0: Expr, r: Expr) -> Expr:  # pass row r's activations
+    return rows_in[r] if plan.experts else row0 + r
+
+
+def _out_row(plan: IntDotPlan, rows_out: Buffer, row0: Expr, r: Expr) -> Expr:
+    return rows_out[r] if plan.experts else row0 + r
+
+
+def _input_of(plan: IntDotPlan, slot: Expr) -> Expr:  # experts: a slot's activation row
+    return slot if plan.slot_input else slot // plan.top_k
+
+
+def _block_index(plan: IntDotPlan, g: Expr, bi: Expr) -> Expr:  # activation block bi of group g
+    return g * plan.per_group + bi
+
+
+def _pair_of(plan: IntDotPlan, g: Expr, bi: Expr, p: Expr) -> Expr:  # the row of 8 k values (a nibble row)
+    return _block_index(plan, g, bi) * plan.block_pairs + p
+
+
+# Activations: each row quantized once per call, before the strips.
+
+
+@T.macro
+def _quantize_row(
+    plan: IntDotPlan, x: Buffer, row: Expr, xq: Buffer, x_scales: Buffer, xq_sums: Buffer, x_sums: Buffer
+):
+    # activation row `row` in int8 (or int16) blocks with a scale each, the blocks' sums of xq and
+    # (zeros, mins) the groups' sums of x
+    amax = T.sblock_alloc_buffer((1,), "float32")
+    total = T.sblock_alloc_buffer((1,), "int32")
+    value = T.sblock_alloc_buffer((1,), "int32")
+    for b in T.serial(plan.blocks):
+        amax[0] = T.float32(0)
+        for i in T.serial(plan.block):
+            amax[0] = T.max(amax[0], T.fabs(x[row, b * plan.block + i]))
+        x_scales[row, b] = amax[0] / T.float32(plan.levels)
+        total[0] = 0
+        for i in T.serial(plan.block):
+            value[0] = T.Cast(
+                "int32",
+                T.round(
+                    x[row, b * plan.block + i]
+                    * T.if_then_else(amax[0] > T.float32(0), T.float32(plan.levels) / amax[0], T.float32(0))
+                ),
             )
-        for r in T.serial(rows % row_block):
-            rows_of_strip(jo, wj, base + rows - rows % row_block + r, 1, 0, vectors, operands + wide)
+            total[0] = total[0] + value[0]
+            if plan.halves == 2:
+                xq[0, row, b * plan.block + i] = T.Cast("int8", T.floordiv(value[0] + 127, 255))
+                xq[1, row, b * plan.block + i] = T.Cast(
+                    "int8", value[0] - 255 * T.floordiv(value[0] + 127, 255)
+                )
+            else:
+                xq[0, row, b * plan.block + i] = T.Cast(plan.xq_dtype, value[0])
+        xq_sums[row, b] = total[0]
+    if plan.spec.scheme != "symmetric":
+        for g in T.serial(plan.groups):
+            x_sums[row, g] = T.float32(0)
+            for i in T.serial(plan.group):
+                x_sums[row, g] = x_sums[row, g] + x[row, g * plan.group + i]
 
-    weight_dtype = "uint8" if nibbles else "int8"
 
+# Load: a row of 8 k of the strip's weights, unpacked to unsigned bytes (or int16 words).
+
+
+def _every_byte(plan: IntDotPlan, value: int) -> Expr:
+    return T.broadcast(T.uint8(value), plan.width)
+
+
+def _high_mask(plan: IntDotPlan) -> Expr:  # the bits above the nibble, in place
+    return _every_byte(plan, (1 << plan.high_shift) - 1 if plan.nibbles else 0)
+
+
+def _weight_row(plan: IntDotPlan, w: Buffer, wj: Expr, row: Expr, vector: Expr, dtype: str = "uint8") -> Expr:
+    """Weight strip wj's bytes of `row`, vector of columns `vector`."""
+    return w.vload([wj, row, vector * plan.width], f"{dtype}x{plan.width}")
+
+
+def _high_bits(plan: IntDotPlan, w_high: Buffer, wj: Expr, pair: Expr, vector: Expr, shift: Expr) -> Expr:
+    """Planes 5 and 6: the bits above the nibbles of `pair`, `shift` bits up in their row of the high
+    plane, moved above the nibble."""
+    high_row = _weight_row(plan, w_high, wj, pair // plan.high_pairs, vector)
+    return ((high_row >> _every_byte(plan, shift)) & _high_mask(plan)) << _every_byte(plan, 4)
+
+
+def _word_weights(w: Buffer, wj: Expr, pair: Expr, column_byte: Expr, half: int) -> Expr:
+    """Words: 4 columns' weights u = q + 128 from `column_byte`, k 8 pair + 4 half + 0..3 each."""
+    row_bytes = w.vload([wj, pair * 2 + half, column_byte], "int8x16")
+    return T.Cast("int16x16", T.reinterpret(row_bytes, dtype="uint8x16"))
+
+
+@T.macro
+def _load_pair_weights(
+    plan: IntDotPlan,
+    w: Buffer,
+    w_high: Buffer,
+    wj: Expr,
+    pair: Expr,
+    p: Expr,
+    v0: Expr,
+    nv: int,
+    low: Buffer,
+    high: Buffer,
+    low_words: Buffer,
+    high_words: Buffer,
+):
+    # the weights of `pair` (8 k), nv vectors of columns from v0 of weight strip wj, as unsigned bytes:
+    # k 0..3 in low, 4..7 in high; words: as int16, two vectors of 4 columns each
+    for v in T.unroll(nv):
+        if plan.words:
+            for h in T.unroll(2):
+                low_words[v * 2 + h, T.ramp(0, 1, 16)] = _word_weights(
+                    w, wj, pair, (v0 + v) * plan.width + h * 16, 0
+                )
+                high_words[v * 2 + h, T.ramp(0, 1, 16)] = _word_weights(
+                    w, wj, pair, (v0 + v) * plan.width + h * 16, 1
+                )
+        elif plan.nibbles and plan.high_shift > 0:
+            low[v, T.ramp(0, 1, plan.width)] = (
+                _weight_row(plan, w, wj, pair, v0 + v) & _every_byte(plan, 15)
+            ) | _high_bits(plan, w_high, wj, pair, v0 + v, plan.high_shift * 2 * (p % plan.high_pairs))
+            high[v, T.ramp(0, 1, plan.width)] = (
+                _weight_row(plan, w, wj, pair, v0 + v) >> _every_byte(plan, 4)
+            ) | _high_bits(plan, w_high, wj, pair, v0 + v, plan.high_shift * (2 * (p % plan.high_pairs) + 1))
+        elif plan.nibbles:
+            low[v, T.ramp(0, 1, plan.width)] = _weight_row(plan, w, wj, pair, v0 + v) & _every_byte(plan, 15)
+            high[v, T.ramp(0, 1, plan.width)] = (
+                _weight_row(plan, w, wj, pair, v0 + v) >> _every_byte(plan, 4)
+            ) & _every_byte(plan, 15)
+        else:
+            low[v, T.ramp(0, 1, plan.width)] = T.reinterpret(
+                _weight_row(plan, w, wj, pair * 2, v0 + v, "int8"), dtype=f"uint8x{plan.width}"
+            )
+            high[v, T.ramp(0, 1, plan.width)] = T.reinterpret(
+                _weight_row(plan, w, wj, pair * 2 + 1, v0 + v, "int8"), dtype=f"uint8x{plan.width}"
+            )
+
+
+# Inner product: an activation block's int32 dots with the unpacked weights, per instruction set.
+
+
+def _x4(xq: Buffer, half: int, row: Expr, index: Expr) -> Expr:  # xq[half, row, 4 index : 4 index + 4]
+    return T.reinterpret(xq.vload([half, row, index * 4], "int8x4"), dtype="int32")
+
+
+def _x_words(xq: Buffer, row: Expr, index: Expr) -> Expr:  # xq[0, row, 4 index : 4 index + 4] x 4
+    four_words = T.reinterpret(xq.vload([0, row, index * 4], "int16x4"), dtype="int64")
+    return T.reinterpret(T.broadcast(four_words, 4), dtype="int16x16")
+
+
+def _word_dots(xq: Buffer, row: Expr, pair: Expr, low: Buffer, high: Buffer, half: Expr) -> Expr:
+    # words: low[half] holds k 8 pair + 0..3 of 4 columns, high k + 4..7; lane pairs a column
+    return _word_products(low.vload([half, 0], "int16x16"), _x_words(xq, row, pair * 2)) + _word_products(
+        high.vload([half, 0], "int16x16"), _x_words(xq, row, pair * 2 + 1)
+    )
+
+
+@T.macro
+def _dot_step(
+    plan: IntDotPlan,
+    dots: Buffer,
+    half: int,
+    row0: Expr,
+    count: int,
+    nv: int,
+    pair: Expr,
+    xq: Buffer,
+    low: Buffer,
+    high: Buffer,
+    rows_in: Buffer,
+):
+    # dots[r, v] += the 8 k of `pair`, activation half `half`, rows row0.., nv vectors
+    for r in T.unroll(count):
+        for v in T.unroll(nv):
+            dots[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = plan.dot_pair(
+                dots.vload([r, v * plan.lanes], f"int32x{plan.lanes}"),
+                low.vload([v, 0], f"uint8x{plan.width}"),
+                _x4(xq, half, _in_row(plan, rows_in, row0, r), pair * 2),
+                high.vload([v, 0], f"uint8x{plan.width}"),
+                _x4(xq, half, _in_row(plan, rows_in, row0, r), pair * 2 + 1),
+            )
+
+
+@T.macro
+def _short_step(
+    plan: IntDotPlan,
+    sums: Buffer,
+    half: int,
+    row0: Expr,
+    count: int,
+    nv: int,
+    pair: Expr,
+    xq: Buffer,
+    low: Buffer,
+    high: Buffer,
+    rows_in: Buffer,
+):
+    # sums[r, v] (int16 lanes, two a column) += the 8 k of `pair`, activation half `half`
+    for r in T.unroll(count):
+        for v in T.unroll(nv):
+            sums[r, T.ramp(v * 16, 1, 16)] = (
+                sums.vload([r, v * 16], "int16x16")
+                + _byte_products(
+                    low.vload([v, 0], f"uint8x{plan.width}"),
+                    _in_every_lane(_x4(xq, half, _in_row(plan, rows_in, row0, r), pair * 2), plan.isa),
+                )
+                + _byte_products(
+                    high.vload([v, 0], f"uint8x{plan.width}"),
+                    _in_every_lane(_x4(xq, half, _in_row(plan, rows_in, row0, r), pair * 2 + 1), plan.isa),
+                )
+            )
+
+
+@T.macro
+def _word_dot_step(
+    plan: IntDotPlan,
+    dots: Buffer,
+    dots_high: Buffer,
+    row0: Expr,
+    count: int,
+    nv: int,
+    pair: Expr,
+    xq: Buffer,
+    low: Buffer,
+    high: Buffer,
+    rows_in: Buffer,
+):
+    # dots: columns 0-3 of each vector v (words low[2 v], high[2 v]), dots_high: 4-7 (2 v + 1)
+    for r in T.unroll(count):
+        for v in T.unroll(nv):
+            dots[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = dots.vload(
+                [r, v * plan.lanes], f"int32x{plan.lanes}"
+            ) + _word_dots(xq, _in_row(plan, rows_in, row0, r), pair, low, high, v * 2)
+            dots_high[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = dots_high.vload(
+                [r, v * plan.lanes], f"int32x{plan.lanes}"
+            ) + _word_dots(xq, _in_row(plan, rows_in, row0, r), pair, low, high, v * 2 + 1)
+
+
+@T.macro
+def _widen_short_sums(plan: IntDotPlan, count: int, nv: int, dots: Buffer, short: Buffer, short_low: Buffer):
+    # the int16 sums into the int32 dots
+    for r in T.unroll(count):
+        for v in T.unroll(nv):
+            if plan.halves == 2:  # 255 * high + low, the sums' bound times 255 fits int32
+                dots[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = (
+                    dots.vload([r, v * plan.lanes], f"int32x{plan.lanes}")
+                    + _widen(short.vload([r, v * 16], "int16x16"), 255)
+                    + _widen(short_low.vload([r, v * 16], "int16x16"))
+                )
+            else:
+                dots[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = dots.vload(
+                    [r, v * plan.lanes], f"int32x{plan.lanes}"
+                ) + _widen(short.vload([r, v * 16], "int16x16"))
+
+
+@T.macro
+def _block_dots(
+    plan: IntDotPlan,
+    wj: Expr,
+    g: Expr,
+    bi: Expr,
+    row0: Expr,
+    count: int,
+    v0: Expr,
+    nv: int,
+    weights: tuple,
+    xq: Buffer,
+    rows_in: Buffer,
+    registers: tuple,
+):
+    # dots[r, :] = the int32 dots of activation block bi of group g with the columns' weights
+    w, w_high = weights
+    dots, dots_low, low, high, low_words, high_words, short, short_low = registers
+    for r in T.unroll(count):
+        for lane in T.vectorized(nv * plan.lanes):
+            dots[r, lane] = 0
+            if plan.accumulators == 2:
+                dots_low[r, lane] = 0
+    for p in T.unroll(plan.block_pairs):  # 8 k values: one nibble row of bytes, two byte rows
+        if plan.short_sums and p % plan.short_pairs == 0:
+            for r in T.unroll(count):
+                for lane in T.vectorized(nv * 16):
+                    short[r, lane] = T.int16(0)
+                    if plan.halves == 2:
+                        short_low[r, lane] = T.int16(0)
+        _load_pair_weights(
+            plan, w, w_high, wj, _pair_of(plan, g, bi, p), p, v0, nv, low, high, low_words, high_words
+        )
+        if plan.words:
+            pair = _pair_of(plan, g, bi, p)  # an int32 local in the TIR; the other branches inline it
+            _word_dot_step(plan, dots, dots_low, row0, count, nv, pair, xq, low_words, high_words, rows_in)
+        elif plan.short_sums:
+            _short_step(plan, short, 0, row0, count, nv, _pair_of(plan, g, bi, p), xq, low, high, rows_in)
+            if plan.halves == 2:
+                _short_step(
+                    plan, short_low, 1, row0, count, nv, _pair_of(plan, g, bi, p), xq, low, high, rows_in
+                )
+        else:
+            _dot_step(plan, dots, 0, row0, count, nv, _pair_of(plan, g, bi, p), xq, low, high, rows_in)
+            if plan.halves == 2:
+                _dot_step(
+                    plan, dots_low, 1, row0, count, nv, _pair_of(plan, g, bi, p), xq, low, high, rows_in
+                )
+        if plan.short_sums and p % plan.short_pairs == plan.short_pairs - 1:
+            _widen_short_sums(plan, count, nv, dots, short, short_low)
+    if plan.words:
+        for r in T.unroll(count):
+            for v in T.unroll(nv):
+                dots[r, T.ramp(v * plan.lanes, 1, plan.lanes)] = _word_columns(
+                    dots.vload([r, v * plan.lanes], f"int32x{plan.lanes}"),
+                    dots_low.vload([r, v * plan.lanes], f"int32x{plan.lanes}"),
+                )
+
+
+# Epilogue: a block's dots into float32 (activation scale, offset), a group's into the row's sums
+# (weight scales, zeros or mins), the sums (and bias) stored.
+
+
+def _scale_of(plan: IntDotPlan, sub: Buffer, above: Buffer, wj: Expr, g: Expr, lane: Expr) -> Expr:
+    """Group g's float32 scale (or zero) of column `lane` in weight strip wj."""
+    if plan.factored:
+        return above[wj, g // plan.scale_per, lane] * T.Cast("float32", sub[wj, g, lane])
+    return T.Cast("float32", sub[wj, g, lane])
+
+
+@T.macro
+def _block_into_part(
+    plan: IntDotPlan,
+    g: Expr,
+    bi: Expr,
+    row0: Expr,
+    count: int,
+    nv: int,
+    dots: Buffer,
+    dots_low: Buffer,
+    part: Buffer,
+    activations: tuple,
+    rows_in: Buffer,
+):
+    # part[r, :] (+)= the block's activation scale times its dots, less offset * sum(xq)
+    x_scales, xq_sums = activations
+    for r in T.unroll(count):
+        for lane in T.vectorized(nv * plan.lanes):
+            if plan.halves == 2 and not plan.short_sums:
+                dots[r, lane] = dots[r, lane] * 255 + dots_low[r, lane]
+            if plan.offset != 0:
+                dots[r, lane] = (
+                    dots[r, lane]
+                    - plan.offset * xq_sums[_in_row(plan, rows_in, row0, r), _block_index(plan, g, bi)]
+                )
+            if plan.per_group == 1:
+                part[r, lane] = x_scales[_in_row(plan, rows_in, row0, r), _block_index(plan, g, bi)] * T.Cast(
+                    "float32", dots[r, lane]
+                )
+            else:
+                part[r, lane] = part[r, lane] + x_scales[
+                    _in_row(plan, rows_in, row0, r), _block_index(plan, g, bi)
+                ] * T.Cast("float32", dots[r, lane])
+
+
+@T.macro
+def _group_into_acc(
+    plan: IntDotPlan,
+    wj: Expr,
+    g: Expr,
+    row0: Expr,
+    count: int,
+    v0: Expr,
+    nv: int,
+    acc: Buffer,
+    part: Buffer,
+    scale_buffers: tuple,
+    x_sums: Buffer,
+    rows_in: Buffer,
+):
+    # acc[r, :] += group g's scales times part (symmetric), and the min or zero times the sum of x
+    scales, scales_super, zeros, zeros_super = scale_buffers
+    for r in T.unroll(count):
+        for lane in T.vectorized(nv * plan.lanes):
+            if plan.spec.scheme == "symmetric":
+                acc[r, lane] = (
+                    acc[r, lane]
+                    + _scale_of(plan, scales, scales_super, wj, g, v0 * plan.lanes + lane) * part[r, lane]
+                )
+            elif plan.spec.scheme == "min":
+                acc[r, lane] = (
+                    acc[r, lane]
+                    + _scale_of(plan, scales, scales_super, wj, g, v0 * plan.lanes + lane) * part[r, lane]
+                    + _scale_of(plan, zeros, zeros_super, wj, g, v0 * plan.lanes + lane)
+                    * x_sums[_in_row(plan, rows_in, row0, r), g]
+                )
+            else:
+                acc[r, lane] = acc[r, lane] + _scale_of(
+                    plan, scales, scales_super, wj, g, v0 * plan.lanes + lane
+                ) * (
+                    part[r, lane]
+                    - _scale_of(plan, zeros, zeros_super, wj, g, v0 * plan.lanes + lane)
+                    * x_sums[_in_row(plan, rows_in, row0, r), g]
+                )
+
+
+@T.macro
+def _store_rows(
+    plan: IntDotPlan,
+    jo: Expr,
+    row0: Expr,
+    count: int,
+    v0: Expr,
+    nv: int,
+    acc: Buffer,
+    bias: Buffer,
+    y_rows: Buffer,
+    rows_out: Buffer,
+):
+    for r in T.unroll(count):
+        for lane in T.vectorized(nv * plan.lanes):
+            if plan.has_bias:
+                y_rows[_out_row(plan, rows_out, row0, r), jo * plan.tile + v0 * plan.lanes + lane] = (
+                    acc[r, lane] + bias[jo * plan.tile + v0 * plan.lanes + lane]
+                )
+            else:
+                y_rows[_out_row(plan, rows_out, row0, r), jo * plan.tile + v0 * plan.lanes + lane] = acc[
+                    r, lane
+                ]
+
+
+# The kernel: a pass's rows over a strip, a strip's passes, the functions.
+
+
+@T.macro
+def _rows_of_strip(
+    plan: IntDotPlan,
+    jo: Expr,
+    wj: Expr,
+    row0: Expr,
+    count: int,
+    v0: Expr,
+    nv: int,
+    operands: tuple,
+    scratch: tuple,
+):
+    # `count` rows from row0 by `nv` vectors of columns from vector v0, strip jo (weights: strip wj);
+    # experts: row0 is a position in `order`. These unpackings name the buffers in the TIR.
+    w, w_high, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = operands[:10]
+    bias, y_rows, order = operands[10:]
+    acc, part, dots, dots_low, low, high, rows_in, rows_out = scratch[:8]
+    low_words, high_words, short, short_low = scratch[8:]
+    if plan.experts > 0:
+        for r in T.unroll(count):
+            rows_out[r] = order[row0 + r]
+            rows_in[r] = _input_of(plan, order[row0 + r])
+    for r in T.unroll(count):
+        for lane in T.vectorized(nv * plan.lanes):
+            acc[r, lane] = T.float32(0)
+    for g in T.serial(plan.groups):
+        if plan.per_group > 1:
+            for r in T.unroll(count):
+                for lane in T.vectorized(nv * plan.lanes):
+                    part[r, lane] = T.float32(0)
+        for bi in T.serial(plan.per_group):
+            _block_dots(
+                plan,
+                wj,
+                g,
+                bi,
+                row0,
+                count,
+                v0,
+                nv,
+                (w, w_high),
+                xq,
+                rows_in,
+                (dots, dots_low, low, high, low_words, high_words, short, short_low),
+            )
+            _block_into_part(plan, g, bi, row0, count, nv, dots, dots_low, part, (x_scales, xq_sums), rows_in)
+        _group_into_acc(
+            plan,
+            wj,
+            g,
+            row0,
+            count,
+            v0,
+            nv,
+            acc,
+            part,
+            (scales, scales_super, zeros, zeros_super),
+            x_sums,
+            rows_in,
+        )
+    _store_rows(plan, jo, row0, count, v0, nv, acc, bias, y_rows, rows_out)
+
+
+def _pass_scratch(plan: IntDotPlan, rows: int, vectors: int) -> tuple[Buffer, ...]:
+    """A pass's registers over `rows` rows by `vectors` vectors of columns, as _rows_of_strip unpacks
+    them: accumulators and dots, unpacked weights, the experts' rows, word weights, int16 sums."""
+    columns = vectors * plan.lanes
+    words_shape = (vectors * 2, 16) if plan.words else (1, 16)  # weights as words: 2 x 4 columns a vector
+    short_shape = (rows, vectors * 16) if plan.short_sums else (1, 16)  # int16 sums: 16 lanes a vector
+    return (
+        T.sblock_alloc_buffer((rows, columns), "float32"),
+        T.sblock_alloc_buffer((rows, columns), "float32"),
+        T.sblock_alloc_buffer((rows, columns), "int32"),
+        T.sblock_alloc_buffer((rows, columns), "int32"),
+        T.sblock_alloc_buffer((vectors, plan.width), "uint8"),
+        T.sblock_alloc_buffer((vectors, plan.width), "uint8"),
+        T.sblock_alloc_buffer((rows,), "int32"),
+        T.sblock_alloc_buffer((rows,), "int32"),
+        T.sblock_alloc_buffer(words_shape, "int16"),
+        T.sblock_alloc_buffer(words_shape, "int16"),
+        T.sblock_alloc_buffer(short_shape, "int16"),
+        T.sblock_alloc_buffer(short_shape, "int16"),
+    )
+
+
+@T.macro
+def _strip_passes(plan: IntDotPlan, jo: Expr, wj: Expr, base: Expr, rows: Expr, operands: tuple):
+    # rows base .. base + rows of strip jo: passes of narrow_rows over one vector of columns at a time,
+    # then of row_block rows over the whole strip, then single rows. Scratch in the default scope, each
+    # under 1 KiB: TVM keeps those on the stack (so in registers after LLVM's SROA); it sends "local"
+    # ones to the heap workspace
+    wide = _pass_scratch(plan, plan.row_block, plan.vectors)
+    narrow = _pass_scratch(plan, plan.narrow_rows, 1)
+    for a in T.serial(rows // plan.narrow_rows):
+        for vector in T.serial(plan.vectors):
+            _rows_of_strip(
+                plan, jo, wj, base + a * plan.narrow_rows, plan.narrow_rows, vector, 1, operands, narrow
+            )
+    for a in T.serial(rows % plan.narrow_rows // plan.row_block):
+        _rows_of_strip(
+            plan,
+            jo,
+            wj,
+            base + rows - rows % plan.narrow_rows + a * plan.row_block,
+            plan.row_block,
+            0,
+            plan.vectors,
+            operands,
+            wide,
+        )
+    for r in T.serial(rows % plan.row_block):
+        _rows_of_strip(
+            plan, jo, wj, base + rows - rows % plan.row_block + r, 1, 0, plan.vectors, operands, wide
+        )
+
+
+def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
     @T.prim_func(s_tir=True)
     def int_dot_gemm(
         x_handle: T.handle,
@@ -689,29 +1029,33 @@ def int_dot_gemm_kernel(
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         q = T.int64()
         bias_len = T.int64()  # n with a bias; 1 (never read) without
-        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
-        w = T.match_buffer(w_handle, (strips, steps, tile * 4), weight_dtype)
+        x3 = T.match_buffer(x_handle, (q, 4, plan.k), "float32")
+        w = T.match_buffer(w_handle, (plan.strips, plan.steps, plan.tile * 4), plan.weight_dtype)
         w_high = T.match_buffer(  # plane 5 and 6: the bits above the nibbles (else w again, unread)
-            high_handle, (strips, steps // high_pairs, tile * 4), weight_dtype
+            high_handle, (plan.strips, plan.steps // plan.high_pairs, plan.tile * 4), plan.weight_dtype
         )
-        scales = T.match_buffer(s_handle, (strips, groups, tile), sub_dtype)
-        zeros = T.match_buffer(z_handle, (strips, groups, tile), sub_dtype)
+        scales = T.match_buffer(s_handle, (plan.strips, plan.groups, plan.tile), plan.sub_dtype)
+        zeros = T.match_buffer(z_handle, (plan.strips, plan.groups, plan.tile), plan.sub_dtype)
         scales_super = T.match_buffer(  # factored: the float32 a run of groups (else scales again, unread)
-            s_super_handle, super_shape, super_dtype
+            s_super_handle, plan.super_shape, plan.super_dtype
         )
-        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
+        zeros_super = T.match_buffer(z_super_handle, plan.super_shape, plan.super_dtype)
         bias = T.match_buffer(bias_handle, (bias_len,), "float32")
         counts = T.match_buffer(counts_handle, (2,), "int64")  # real token rows, real logits rows
-        y = T.match_buffer(y_handle, (q, 4, n), "float32")
-        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
-        y_rows = T.decl_buffer((q * 4, n), "float32", data=y.data)
-        xq = T.sblock_alloc_buffer((halves, q * 4, k), xq_dtype)
-        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
-        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
-        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
+        y = T.match_buffer(y_handle, (q, 4, plan.n), "float32")
+        x = T.decl_buffer((q * 4, plan.k), "float32", data=x3.data)
+        y_rows = T.decl_buffer((q * 4, plan.n), "float32", data=y.data)
+        xq = T.sblock_alloc_buffer((plan.halves, q * 4, plan.k), plan.xq_dtype)
+        x_scales = T.sblock_alloc_buffer((q * 4, plan.blocks), "float32")
+        xq_sums = T.sblock_alloc_buffer((q * 4, plan.blocks), "int32")
+        x_sums = T.sblock_alloc_buffer((q * 4, plan.groups), "float32")
         rows = T.min(counts[which], q * 4)
-        quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums)
-        for jo in T.parallel(strips):
+        for row in T.parallel(rows):
+            with T.sblock("quantize"):
+                T.reads()
+                T.writes()
+                _quantize_row(plan, x, row, xq, x_scales, xq_sums, x_sums)
+        for jo in T.parallel(plan.strips):
             with T.sblock("strip"):
                 T.reads()
                 T.writes()
@@ -730,8 +1074,12 @@ def int_dot_gemm_kernel(
                     y_rows,
                     counts,  # `order` in the experts' form, unread here
                 )
-                strip_passes(jo, jo, 0, rows, operands)
+                _strip_passes(plan, jo, jo, 0, rows, operands)
 
+    return int_dot_gemm
+
+
+def _experts_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
     @T.prim_func(s_tir=True)
     def int_dot_experts(
         x_handle: T.handle,
@@ -750,26 +1098,34 @@ def int_dot_gemm_kernel(
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         q = T.int64()  # blocks of 4 input rows: tokens, or slots with `slot_input`
         qs = T.int64()  # blocks of 4 slots
-        x3 = T.match_buffer(x_handle, (q, 4, k), "float32")
-        w = T.match_buffer(w_handle, (weight_strips, steps, tile * 4), weight_dtype)
-        w_high = T.match_buffer(high_handle, (weight_strips, steps // high_pairs, tile * 4), weight_dtype)
-        scales = T.match_buffer(s_handle, (weight_strips, groups, tile), sub_dtype)
-        zeros = T.match_buffer(z_handle, (weight_strips, groups, tile), sub_dtype)
-        scales_super = T.match_buffer(s_super_handle, super_shape, super_dtype)
-        zeros_super = T.match_buffer(z_super_handle, super_shape, super_dtype)
+        x3 = T.match_buffer(x_handle, (q, 4, plan.k), "float32")
+        w = T.match_buffer(w_handle, (plan.weight_strips, plan.steps, plan.tile * 4), plan.weight_dtype)
+        w_high = T.match_buffer(
+            high_handle, (plan.weight_strips, plan.steps // plan.high_pairs, plan.tile * 4), plan.weight_dtype
+        )
+        scales = T.match_buffer(s_handle, (plan.weight_strips, plan.groups, plan.tile), plan.sub_dtype)
+        zeros = T.match_buffer(z_handle, (plan.weight_strips, plan.groups, plan.tile), plan.sub_dtype)
+        scales_super = T.match_buffer(s_super_handle, plan.super_shape, plan.super_dtype)
+        zeros_super = T.match_buffer(z_super_handle, plan.super_shape, plan.super_dtype)
         counts = T.match_buffer(counts_handle, (2,), "int64")
         order = T.match_buffer(order_handle, (qs * 4,), "int32")
-        offsets = T.match_buffer(offsets_handle, (max(experts, 1) + 1,), "int32")
-        y = T.match_buffer(y_handle, (qs, 4, n), "float32")
-        x = T.decl_buffer((q * 4, k), "float32", data=x3.data)
-        y_rows = T.decl_buffer((qs * 4, n), "float32", data=y.data)
-        xq = T.sblock_alloc_buffer((halves, q * 4, k), xq_dtype)
-        x_scales = T.sblock_alloc_buffer((q * 4, blocks), "float32")
-        xq_sums = T.sblock_alloc_buffer((q * 4, blocks), "int32")
-        x_sums = T.sblock_alloc_buffer((q * 4, groups), "float32")
-        rows = T.min(counts[which] * (top_k if slot_input else 1), q * 4)
-        quantize_rows(x, rows, xq, x_scales, xq_sums, x_sums)
-        for jo in T.parallel(strips):
+        offsets = T.match_buffer(offsets_handle, (max(plan.experts, 1) + 1,), "int32")
+        y = T.match_buffer(y_handle, (qs, 4, plan.n), "float32")
+        x = T.decl_buffer((q * 4, plan.k), "float32", data=x3.data)
+        y_rows = T.decl_buffer((qs * 4, plan.n), "float32", data=y.data)
+        xq = T.sblock_alloc_buffer((plan.halves, q * 4, plan.k), plan.xq_dtype)
+        x_scales = T.sblock_alloc_buffer((q * 4, plan.blocks), "float32")
+        xq_sums = T.sblock_alloc_buffer((q * 4, plan.blocks), "int32")
+        x_sums = T.sblock_alloc_buffer((q * 4, plan.groups), "float32")
+        rows = T.min(counts[which] * (plan.top_k if plan.slot_input else 1), q * 4)
+        for row in T.parallel(rows):
+            # "quantize_1": this form's block has had that name in the TIR since the two forms shared
+            # one quantizing macro (a macro's second expansion suffixes its blocks' names)
+            with T.sblock("quantize_1"):
+                T.reads()
+                T.writes()
+                _quantize_row(plan, x, row, xq, x_scales, xq_sums, x_sums)
+        for jo in T.parallel(plan.strips):
             with T.sblock("strip"):
                 T.reads()
                 T.writes()
@@ -788,7 +1144,32 @@ def int_dot_gemm_kernel(
                     y_rows,
                     order,
                 )
-                for e in T.serial(experts):
-                    strip_passes(jo, e * strips + jo, offsets[e], offsets[e + 1] - offsets[e], operands)
+                for e in T.serial(plan.experts):
+                    _strip_passes(
+                        plan, jo, e * plan.strips + jo, offsets[e], offsets[e + 1] - offsets[e], operands
+                    )
 
-    return int_dot_experts if experts else int_dot_gemm
+    return int_dot_experts
+
+
+def int_dot_gemm_kernel(
+    k: int,
+    n: int,
+    spec: QuantSpec,
+    has_bias: bool,
+    isa: Isa,
+    plane: Plane | None = None,
+    activation_bits: int = 16,
+    scale_per: int = 0,
+    experts: int = 0,
+    top_k: int = 1,
+    slot_input: bool = False,
+) -> tirx.PrimFunc:
+    """`scale_per` > 0: scales (and zeros) come factored, an int8 a group times a float32 a run of
+    `scale_per` groups (layouts.py `factored_*`; GGUF K-quants: d * sc), else as they are.
+    `experts` > 0: the mixture-of-experts form (module docstring); it takes `order` and `offsets`
+    after `which`, and its rows are slots (top_k a token)."""
+    plan = IntDotPlan.choose(
+        k, n, spec, has_bias, isa, plane, activation_bits, scale_per, experts, top_k, slot_input
+    )
+    return _experts_kernel(plan) if experts else _gemm_kernel(plan)
