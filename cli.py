@@ -177,6 +177,7 @@ def _compile(args: argparse.Namespace) -> int:
         "seconds": {k: round(v, 3) for k, v in result.stage_seconds.items()},
         "bytes": result.total_bytes(),
         "files": len(manifest["files"]),
+        "peak_rss_bytes": _peak_rss_bytes(),
     }
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -193,8 +194,22 @@ def _compile(args: argparse.Namespace) -> int:
             for origin, names in sorted(origins.items()):
                 print(f"  {name} kernels {origin} ({len(names)}): {', '.join(sorted(names))}")
         total = sum(result.stage_seconds.values())
-        print(f"wrote {result.path} ({summary['bytes']:,} bytes, {summary['files']} files) in {total:.1f} s")
+        print(
+            f"wrote {result.path} ({summary['bytes']:,} bytes, {summary['files']} files) in {total:.1f} s, "
+            f"peak memory {summary['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        )
     return 0
+
+
+def _peak_rss_bytes() -> int:
+    """The most memory this process has held resident so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _by_type(totals: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {size / 2**20:,.1f} MiB" for kind, size in totals.items())
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -306,7 +321,7 @@ def _inspect_artifact(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kiln.ir import graph_from_json, print_graph
-    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.artifact import read_manifest, safetensors_bytes_by_dtype
 
     folder = Path(args.model)
     manifest = read_manifest(folder)
@@ -325,6 +340,8 @@ def _inspect_artifact(args: argparse.Namespace) -> int:
         )
     size = sum((folder / f).stat().st_size for f in manifest["files"])
     print(f"{len(manifest['files'])} files, {size:,} bytes")
+    for weights in sorted({entry["weights"] for entry in manifest["targets"].values()}):
+        print(f"weights {weights} by storage dtype: {_by_type(safetensors_bytes_by_dtype(folder / weights))}")
     if args.ir:
         with_ir = [e for e in manifest["targets"].values() if (folder / e["folder"] / "graph.json").is_file()]
         if not with_ir:
@@ -347,6 +364,8 @@ def _inspect(args: argparse.Namespace) -> int:
         return _inspect_artifact(args)
     from kiln.build import build_reference
     from kiln.compiler import ModelOptions, resolve
+    from kiln.frontend.gguf_header import bytes_by_type
+    from kiln.frontend.pull import resolve_model
     from kiln.ir import print_graph
     from kiln.passes.cost import matmul_flops
     from kiln.passes.memory_plan import plan_memory
@@ -376,6 +395,9 @@ def _inspect(args: argparse.Namespace) -> int:
         f"nodes {len(before.graph.nodes)} -> {len(after.graph.nodes)}; "
         f"weight bytes {before.weight_bytes():,} -> {after.weight_bytes():,}"
     )
+    source = resolve_model(args.model)
+    if source.is_file():
+        print(f"GGUF weights by type: {_by_type(bytes_by_type(source))}")
     print("ops after: " + ", ".join(f"{op} {n}" for op, n in sorted(after.graph.op_counts().items())))
     sizes = {
         "T": args.plan_tokens,

@@ -1,11 +1,13 @@
-"""The tensor types of a GGUF file from its header alone, skimmed without decoding the metadata
-(gguf's reader decodes every key, the tokenizer's 150,000 strings included: seconds for a model a
-plan only needs to know is quantized)."""
+"""The tensors of a GGUF file (type and size) from its header alone, skimmed without decoding the
+metadata (gguf's reader decodes every key, the tokenizer's 150,000 strings included: seconds for a
+model a plan only needs to know is quantized)."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -51,8 +53,32 @@ class _Cursor:
             raise ValueError(f"unknown GGUF value type {value_type}")
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    ggml_type: str  # F32, Q4_K, ...
+    num_elements: int
+
+    @property
+    def num_bytes(self) -> int:
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]]
+        return self.num_elements // block_size * block_bytes
+
+
 def gguf_tensor_types(path: Path) -> list[str]:
     """The ggml type name of every tensor in the GGUF file `path` (F32, Q4_K, ...), in file order."""
+    return [entry.ggml_type for entry in gguf_tensors(path)]
+
+
+def bytes_by_type(path: Path) -> dict[str, int]:
+    """The bytes the GGUF file `path` holds in tensors of each ggml type, most first."""
+    totals: dict[str, int] = {}
+    for entry in gguf_tensors(path):
+        totals[entry.ggml_type] = totals.get(entry.ggml_type, 0) + entry.num_bytes
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def gguf_tensors(path: Path) -> list[TensorEntry]:
+    """Every tensor's type and element count in the GGUF file `path`, in file order."""
     try:
         with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             cursor = _Cursor(data)
@@ -63,14 +89,14 @@ def gguf_tensor_types(path: Path) -> list[str]:
             for _ in range(num_fields):
                 cursor.skip_string()
                 cursor.skip_value(cursor.u32())
-            types = []
+            entries = []
             for _ in range(num_tensors):
                 cursor.skip_string()
-                num_dims = cursor.u32()
-                cursor.at += 8 * num_dims
-                types.append(gguf.GGMLQuantizationType(cursor.u32()).name)
+                shape = [cursor.u64() for _ in range(cursor.u32())]
+                ggml_type = gguf.GGMLQuantizationType(cursor.u32()).name
+                entries.append(TensorEntry(ggml_type, math.prod(shape)))
                 cursor.at += 8  # the data offset
-            return types
+            return entries
     except (OSError, ValueError, struct.error) as error:
         raise ModelLoadError(
             f"{path}: not a readable GGUF file ({error})", hint="pass a llama.cpp .gguf model file"

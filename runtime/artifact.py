@@ -19,6 +19,7 @@ import hashlib
 import json
 import mmap
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,20 @@ class LoadedArtifact:
     @property
     def target_entry(self) -> dict[str, Any]:
         return self.manifest["targets"][self.target.name]
+
+
+def safetensors_bytes_by_dtype(path: Path) -> dict[str, int]:
+    """The bytes a safetensors file holds in tensors of each dtype (U8, F32, ...), most first, read from
+    its header alone."""
+    with path.open("rb") as file:
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+    totals: dict[str, int] = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            start, end = entry["data_offsets"]
+            totals[entry["dtype"]] = totals.get(entry["dtype"], 0) + end - start
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

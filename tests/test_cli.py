@@ -85,3 +85,4 @@ def test_inspect_prints_the_ir(smollm2_gguf_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "LlamaForCausalLM" in result.stdout
     assert result.stdout.count("] = paged_attention(") == 30
+    assert "GGUF weights by type: Q4_1 63.3 MiB, Q8_0 28.7 MiB, F32 0.1 MiB" in result.stdout

@@ -51,6 +51,7 @@ def test_compile_verify_generate(artifact: Path) -> None:
     assert "Paris" in generated.stdout
     inspected = kiln("inspect", str(artifact), "--ir")
     assert inspected.returncode == 0 and "quantized_linear(" in inspected.stdout
+    assert "by storage dtype: " in inspected.stdout and " U8 " in inspected.stdout
 
 
 @pytest.mark.slow
@@ -63,6 +64,7 @@ def test_compiling_twice_gives_identical_files(
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["targets"]["cpu"]["backend"] == "reference" and summary["files"] == 5
+    assert summary["peak_rss_bytes"] > summary["bytes"] / 4  # this process's high-water mark, in bytes
     files = sorted(p.relative_to(artifact) for p in artifact.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     _, mismatched, errors = filecmp.cmpfiles(artifact, again, [str(f) for f in files], shallow=False)

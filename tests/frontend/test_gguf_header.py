@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.gguf_header import gguf_tensor_types
+from kiln.frontend.gguf_header import bytes_by_type, gguf_tensor_types, gguf_tensors
 
 
-def test_the_tensor_types_of_a_real_gguf_are_the_readers(smollm2_gguf_path: Path) -> None:
-    expected = [tensor.tensor_type.name for tensor in gguf.GGUFReader(smollm2_gguf_path).tensors]
-    assert gguf_tensor_types(smollm2_gguf_path) == expected and "Q4_1" in expected
+def test_the_tensors_of_a_real_gguf_are_the_readers(smollm2_gguf_path: Path) -> None:
+    tensors = gguf.GGUFReader(smollm2_gguf_path).tensors
+    assert gguf_tensor_types(smollm2_gguf_path) == [tensor.tensor_type.name for tensor in tensors]
+    assert [entry.num_bytes for entry in gguf_tensors(smollm2_gguf_path)] == [int(t.n_bytes) for t in tensors]
+    assert list(bytes_by_type(smollm2_gguf_path)) == ["Q4_1", "Q8_0", "F32"]
 
 
 def test_every_kind_of_metadata_value_is_skipped(tmp_path: Path) -> None:
