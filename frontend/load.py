@@ -15,10 +15,11 @@ from kiln.frontend.source import ModelSource
 def load_model(name_or_path: str) -> ModelSource:
     """Load a known model name (pulled if needed), a `.gguf` file, or a model directory."""
     path = resolve_model(name_or_path)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf(gguf_file)
     if path.is_dir():
         return _load_dir(path)
-    if path.suffix == ".gguf" or _has_gguf_magic(path):
-        return load_gguf(path)
     raise ModelLoadError(
         f"{path}: neither a GGUF file nor a model directory",
         hint="pass a .gguf file, a HF checkpoint directory with config.json, or a known model name",
@@ -28,23 +29,24 @@ def load_model(name_or_path: str) -> ModelSource:
 def holds_gguf_blocks(name_or_path: str) -> bool:
     """Whether the model is a GGUF with quantized tensors (blocks a compile can keep as they are); reads
     the file's header only."""
-    path = resolve_model(name_or_path)
+    gguf_file = _gguf_file(resolve_model(name_or_path))
+    return gguf_file is not None and any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(gguf_file))
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names: itself, or the one .gguf of a directory that is not a HF checkpoint
+    (no config.json); None for anything else."""
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if (path / "config.json").is_file() or len(ggufs) != 1:
-            return False
-        path = ggufs[0]
-    if not (path.suffix == ".gguf" or _has_gguf_magic(path)):
-        return False
-    return any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(path))
+        return ggufs[0] if len(ggufs) == 1 and not (path / "config.json").is_file() else None
+    return path if path.suffix == ".gguf" or _has_gguf_magic(path) else None
 
 
 def _load_dir(path: Path) -> ModelSource:
+    """A HF checkpoint directory, or the reason a directory is no model."""
     if (path / "config.json").is_file():
         return load_hf_dir(path)
     ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return load_gguf(ggufs[0])
     if ggufs:
         raise ModelLoadError(
             f"{path}: holds {len(ggufs)} GGUF files ({', '.join(file.name for file in ggufs)})",
