@@ -61,13 +61,9 @@ class BuiltProgram(Optimized):
         return self.source.config
 
 
-def gguf_blocks(source: ModelSource) -> dict[str, tuple[str, object]]:
+def gguf_blocks(source: ModelSource) -> dict[str, QuantizedTensor]:
     """The GGUF quantized blocks of `source`, by weight name, for the gguf quantization import."""
-    return {
-        name: (weight.ggml_type, weight.blocks)
-        for name, weight in source.weights.items()
-        if isinstance(weight, QuantizedTensor)
-    }
+    return {name: weight for name, weight in source.weights.items() if isinstance(weight, QuantizedTensor)}
 
 
 def runtime_tokenizer(source: ModelSource) -> Tokenizer:

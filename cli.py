@@ -362,7 +362,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if is_artifact(Path(args.model)):
         return _inspect_artifact(args)
-    from kiln.build import build_reference
+    from kiln.build import build_program
     from kiln.compiler import ModelOptions, resolve
     from kiln.frontend.gguf_header import bytes_by_type
     from kiln.frontend.pull import resolve_model
@@ -371,9 +371,9 @@ def _inspect(args: argparse.Namespace) -> int:
     from kiln.passes.memory_plan import plan_memory
 
     plan = resolve(ModelOptions.from_args(args))
-    built = build_reference(args.model, plan.pipeline())
+    built = build_program(args.model, plan.pipeline())  # weights stay deferred: nothing is read
     config = built.config
-    print(f"model: {built.name} ({config.architecture})")
+    print(f"model: {built.source.name} ({config.architecture})")
     print(
         f"layers {config.num_hidden_layers}, hidden {config.hidden_size}, heads {config.num_attention_heads}"
         f"/{config.num_key_value_heads} kv, head_dim {config.head_dim}, vocab {config.vocab_size}, "
@@ -390,7 +390,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(print_graph(built.program.graph), end="")
     before, after = built.captured, built.program
     print(f"pipeline O{args.opt_level}, quantization {plan.quantization or 'none'}, dtype {plan.dtype}")
-    print(built.pass_report.table())
+    print(built.report.table())
     print(
         f"nodes {len(before.graph.nodes)} -> {len(after.graph.nodes)}; "
         f"weight bytes {before.weight_bytes():,} -> {after.weight_bytes():,}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -129,14 +129,28 @@ class CompileSettings:
     activation_bits: int = 16  # CPU integer-dot kernels: 16 (default) or 8 (llama.cpp's rounding)
 
 
+@dataclass(frozen=True)
+class StoredWeight:
+    """A weight as compiled code reads it: the program's weight `source` laid out by `lay_out` (for the
+    kernels), stored in the artifact under `name` so that loading maps it as it is."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    lay_out: Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class CompiledCode:
     """What `Backend.compile` wrote: the files (relative to its folder), where each kernel's schedule came
-    from (name → "tuned" | "templated" | "default" | ...), and backend fields for the manifest."""
+    from (name → "tuned" | "templated" | "default" | ...), backend fields for the manifest, and the
+    weights it reads (None: the program's weights as they are)."""
 
     files: list[str]
     kernels: dict[str, str] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
+    weights: list[StoredWeight] | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +229,7 @@ class Backend(Protocol):
     """Turns a program into files for one target, and those files back into an Executable."""
 
     name: str
+    copies_weights: bool  # its executables copy the weights they are given (the mapped file's pages can go)
 
     def version(self) -> str:
         """What must match between compile and load (the backend's own version string)."""

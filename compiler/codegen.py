@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
-from kiln.backends.base import Backend, CompileSettings, DeviceRequiredError, allocate_kv_cache
+from kiln.backends.base import (
+    Backend,
+    CompileSettings,
+    DeviceRequiredError,
+    StoredWeight,
+    allocate_kv_cache,
+)
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, mismatch
 from kiln.build import Progress, build_program, rank_programs
@@ -25,9 +32,11 @@ from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import source_digest
 from kiln.frontend.pull import resolve_model
-from kiln.ir import Program, print_graph
+from kiln.ir import DTYPES, Program, print_graph
+from kiln.ir.deferred import materialize
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime import artifact as fmt
+from kiln.runtime.weights_file import Entry
 from kiln.version import __version__
 
 PROBE_PROMPT = "A kiln fires clay at a high temperature, turning it into"
@@ -61,6 +70,7 @@ class _RankCode:
     files: list[str]  # relative to the target's folder
     manifest: dict[str, Any]
     kernels: dict[str, str]
+    weights: list[StoredWeight] | None  # as the code reads them (None: the program's, as they are)
 
 
 def _compile_ranks(
@@ -77,7 +87,7 @@ def _compile_ranks(
             code = backend.compile(program, target, root / target.folder / subfolder, settings)
             files = [f"{subfolder}/{name}" if subfolder else name for name in code.files]
             folder = f"{target.folder}/{subfolder}" if subfolder else target.folder
-            compiled[text] = _RankCode(folder, files, code.manifest, code.kernels)
+            compiled[text] = _RankCode(folder, files, code.manifest, code.kernels, code.weights)
         ranks.append(compiled[text])
     return ranks
 
@@ -95,9 +105,44 @@ def _probe(
     save_file({"logits": logits.contiguous()}, str(root / target.folder / fmt.PROBE_FILE))
 
 
+def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tuple[str, str]:
+    """One rank's weights file, holding what each target's code reads, each tensor once: laid out for
+    its kernels where the code says how, else as the program holds it. Tensors are made and written one
+    at a time (a source's layouts one after another, so it is computed once). (path, sha256)."""
+    stored: dict[str, StoredWeight] = {}
+    for code in codes:
+        wanted = code.weights
+        if wanted is None:
+            wanted = [
+                StoredWeight(p.name, p.name, tuple(p.type.shape), _dtype(p.type.dtype), _as_is)
+                for p in program.graph.params
+            ]  # type: ignore[arg-type]
+        for weight in wanted:
+            stored.setdefault(weight.name, weight)
+    order = {param.name: index for index, param in enumerate(program.graph.params)}
+    ordered = sorted(stored.values(), key=lambda w: (order.get(w.source, len(order)), w.name))
+    last: dict[str, torch.Tensor] = {}
+
+    def made(weight: StoredWeight) -> torch.Tensor:
+        if weight.source not in last:
+            last.clear()
+            last[weight.source] = materialize(program.weights[weight.source])
+        return weight.lay_out(last[weight.source])
+
+    return fmt.write_weights(root, [Entry(w.name, w.dtype, w.shape, lambda w=w: made(w)) for w in ordered])
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
 def compile_stages(targets: tuple[Target, ...]) -> list[str]:
     """The stage names `compile_model` reports to its progress callback, in order."""
-    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write"]
+    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write weights", "write"]
 
 
 def compile_model(
@@ -138,19 +183,29 @@ def compile_model(
             num_threads=plan.options.num_threads,
             activation_bits=plan.activation_bits,
         )
-        entries: dict[str, Any] = {}
-        weights: list[str] = []  # each rank's, written after the first target compiles; targets share them
+        compiled: dict[str, list[_RankCode]] = {}
         for target in plan.targets:
             try:
-                ranks = _compile_ranks(backend, programs, target, scratch, settings)
+                compiled[target.name] = _compile_ranks(backend, programs, target, scratch, settings)
             except DeviceRequiredError:
                 # keep what the backend wrote (e.g. the ONNX for a GPU builder) at `out`, without a
                 # manifest: it is not a runnable artifact
                 swap_in(scratch, out, force)
                 raise
-            weights = weights or [fmt.write_weights(scratch, p.weights) for p in programs]
+            now = time.perf_counter()
+            stage(f"codegen {target.name}", now - start)
+            start = now
+        weights = [
+            _write_weights(scratch, program, [ranks[rank] for ranks in compiled.values()])
+            for rank, program in enumerate(programs)
+        ]
+        digests = dict(weights)
+        entries: dict[str, Any] = {}
+        for target in plan.targets:
+            ranks = compiled[target.name]
             rank_entries = [
-                {"folder": rank.folder, "weights": name} for rank, name in zip(ranks, weights, strict=True)
+                {"folder": code.folder, "weights": name}
+                for code, (name, _) in zip(ranks, weights, strict=True)
             ]
             runs_here = mismatch(target) is None
             if runs_here:
@@ -162,7 +217,7 @@ def compile_model(
                 "gpu_arch": target.gpu_arch,
                 "folder": target.folder,
                 "code": sorted({f for rank in ranks for f in rank.files}),
-                "weights": weights[0],
+                "weights": weights[0][0],
                 "cuda_graph_buckets": [],
                 **ranks[0].manifest,
                 "kernels": dict(sorted(ranks[0].kernels.items())),
@@ -174,9 +229,9 @@ def compile_model(
             }
             if len(ranks) > 1:
                 entries[target.name]["ranks"] = rank_entries
-            now = time.perf_counter()
-            stage(f"codegen {target.name}", now - start)
-            start = now
+        now = time.perf_counter()
+        stage("write weights", now - start)
+        start = now
 
         config = source.config
         tokenizer_fields = fmt.write_tokenizer(scratch, built.tokenizer)
@@ -186,7 +241,8 @@ def compile_model(
         ).hexdigest()
         manifest = fmt.seal(
             scratch,
-            {
+            known=digests,
+            manifest={
                 "kiln_version": __version__,
                 "model": {
                     "name": source.name,

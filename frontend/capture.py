@@ -32,6 +32,7 @@ from kiln.ir import (
     kv_cache_type,
     verify,
 )
+from kiln.ir.deferred import Deferred, Weight, meta
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)')
@@ -44,12 +45,13 @@ class CaptureError(KilnError):
 @dataclass
 class CapturedModel:
     graph: Graph
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     config: ModelConfig
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
-    """The torch.nn definition for `config`, holding `weights` (HF names) without copying them."""
+def build_model(config: ModelConfig, weights: dict[str, Weight]) -> nn.Module:
+    """The torch.nn definition for `config`, holding `weights` (HF names) without copying them; a
+    deferred weight is held as a meta tensor (capture needs its shape and dtype only)."""
     with torch.device("meta"):
         model = model_class(config)(config)
     expected = set(model.state_dict())
@@ -66,7 +68,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Mod
             raise ModelLoadError(
                 f"weight {name} has shape {list(tensor.shape)}, the config implies {list(want)}"
             )
-    model.load_state_dict(given, strict=True, assign=True)
+    stand_ins = {name: meta(w) if isinstance(w, Deferred) else w for name, w in given.items()}
+    model.load_state_dict(stand_ins, strict=True, assign=True)
     return model.eval()
 
 
@@ -233,9 +236,7 @@ def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:
     return capture_module(model, step_input_types(config), name)
 
 
-def capture_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], name: str = "step"
-) -> CapturedModel:
+def capture_weights(config: ModelConfig, weights: dict[str, Weight], name: str = "step") -> CapturedModel:
     """Build the model for `config` over `weights` and capture it; weights are those the graph names."""
     model = build_model(config, weights)
     graph = capture(model, config, name)

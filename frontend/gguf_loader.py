@@ -1,7 +1,8 @@
 """Load a llama.cpp GGUF file into a ModelSource: HF config, HF-named weights, tokenizer data.
 
-Float tensors become torch tensors in their stored dtype; Q4_0, Q4_1 and Q8_0 tensors stay in their
-block layout (`QuantizedTensor`) so that quantization passes can import them without re-quantizing.
+Nothing is read into memory here: float tensors are deferred (ir/deferred.py) in their stored dtype,
+quantized tensors stay in their block layout (`QuantizedTensor`) as views of the mapped file, so that
+quantization passes import them without re-quantizing and a compile reads one tensor at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from kiln.frontend.config import (
 )
 from kiln.frontend.models import adapt_gguf_weights
 from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
+from kiln.ir.deferred import Deferred
+from kiln.ir.mapped import let_go
 
 # GGUF `general.architecture` → HF architecture.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -450,18 +453,17 @@ def _check_rows(weight: Weight, rows: int, name: str, where: str) -> None:
 
 
 def _tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
-    """Copy one reader tensor out of the mmap; `tensor.data` is already in torch (row-major) order."""
+    """One reader tensor, still in the mapped file: a float one deferred (read when materialized),
+    a quantized one as its blocks (read when imported). `tensor.data` is in torch (row-major) order."""
     kind = tensor.tensor_type.name
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    if kind in ("F32", "F16"):
-        return torch.from_numpy(np.array(tensor.data)).reshape(shape)
-    if kind == "BF16":
-        raw = np.array(tensor.data).view(np.int16)
-        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    data = tensor.data
+    if kind in ("F32", "F16", "BF16"):
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+        return Deferred(shape, dtype, lambda: _read_float(data, dtype, shape))
     if kind in QUANTIZED_TYPES:
         rows = math.prod(shape[:-1])
-        blocks = np.array(tensor.data, dtype=np.uint8).reshape(rows, -1)
-        return QuantizedTensor(ggml_type=kind, shape=shape, blocks=blocks)
+        return QuantizedTensor(ggml_type=kind, shape=shape, blocks=data.reshape(rows, -1))
     raise ModelLoadError(
         f"{where}: tensor {tensor.name!r} has type {kind}, which Kiln cannot load",
         hint=f"use a GGUF whose tensors are F32, F16, BF16 or {', '.join(QUANTIZED_TYPES)} (e.g. a Q4_K_M, "
@@ -469,25 +471,34 @@ def _tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
     )
 
 
+def _read_float(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    values = np.array(data)
+    let_go(data)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(values).reshape(shape)
+
+
 def unpermute_rows(weight: Weight, n_head: int) -> Weight:
     """Undo llama.cpp's interleaved-rope permutation of Q/K rows (as transformers' GGUF loader does).
 
-    Works on whole rows, so a QuantizedTensor's rows of blocks move just like a float tensor's rows.
-    """
+    Works on whole rows, so a QuantizedTensor's rows of blocks move just like a float tensor's rows
+    (recorded as its row order: nothing is read here)."""
+    order = _unpermuted_order(int(weight.shape[0]), n_head)
     if isinstance(weight, QuantizedTensor):
-        blocks = _unpermute(weight.blocks, n_head)
-        return QuantizedTensor(ggml_type=weight.ggml_type, shape=weight.shape, blocks=blocks)
-    dim = weight.shape[0] // n_head // 2
-    return (
-        weight.reshape(n_head, dim, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
-    )
+        held = weight.row_order
+        return QuantizedTensor(
+            weight.ggml_type, weight.shape, weight.blocks, order if held is None else held[order]
+        )
+    if isinstance(weight, Deferred):
+        return weight.then(weight.shape, weight.dtype, lambda values: values[torch.from_numpy(order)])
+    return weight[torch.from_numpy(order)].contiguous()
 
 
-def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    dim = rows.shape[0] // n_head // 2
-    return np.ascontiguousarray(
-        rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
-    )
+def _unpermuted_order(rows: int, n_head: int) -> np.ndarray:
+    """Row i of the unpermuted weight is row order[i] of llama.cpp's."""
+    dim = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
 def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:

@@ -5,34 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kiln.frontend.config import ModelConfig
+from kiln.ir.deferred import Deferred
+from kiln.ir.gguf_blocks import QuantizedTensor  # loaders make them, passes import them
 
-
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A weight kept in its GGUF block layout, so quantization passes can import it as is.
-
-    `shape` is in torch order ([out_features, in_features] for a linear weight); `blocks` are the raw
-    GGUF bytes, one row of blocks per output row.
-    """
-
-    ggml_type: str  # "Q4_0", "Q4_1", "Q8_0", "Q4_K", ... (gguf_loader.QUANTIZED_TYPES)
-    shape: tuple[int, ...]
-    blocks: np.ndarray  # uint8
-
-    def dequantize(self) -> torch.Tensor:
-        """Float32 values, bit-identical to `gguf.quants.dequantize`."""
-        import gguf
-
-        qtype = gguf.GGMLQuantizationType[self.ggml_type]
-        values = gguf.quants.dequantize(self.blocks, qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
-
-
-Weight = torch.Tensor | QuantizedTensor
+Weight = torch.Tensor | Deferred | QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -61,9 +40,18 @@ class ModelSource:
     weights: dict[str, Weight]
     tokenizer: TokenizerInfo
 
-    def float_weights(self) -> dict[str, torch.Tensor]:
-        """All weights as float32 tensors (quantized ones dequantized)."""
-        return {
-            name: w.dequantize() if isinstance(w, QuantizedTensor) else w.to(torch.float32)
-            for name, w in self.weights.items()
-        }
+    def float_weights(self) -> dict[str, torch.Tensor | Deferred]:
+        """All weights as float32, deferred (ir/deferred.py) where that takes work: quantized ones are
+        dequantized, others converted, when a pass or the artifact writer asks for their values."""
+        return {name: float32(weight) for name, weight in self.weights.items()}
+
+
+def float32(weight: Weight) -> torch.Tensor | Deferred:
+    """A weight as float32: as it is where it already is, else deferred."""
+    if isinstance(weight, QuantizedTensor):
+        return weight.deferred()
+    if isinstance(weight, Deferred):
+        return weight.to(torch.float32)
+    if weight.dtype == torch.float32:
+        return weight
+    return Deferred(weight.shape, torch.float32, lambda: weight.to(torch.float32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir.deferred import materialize
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph
 from kiln.ir.ops import get_op
@@ -60,7 +61,7 @@ def interpret(
     """Run `graph` on `inputs` (by input name); the graph's outputs in order. `drops`: `last_uses(graph)`,
     for a caller that runs the graph many times."""
     symbols: dict[str, int] = {}
-    env: dict[str, torch.Tensor] = dict(weights)
+    env: dict[str, torch.Tensor] = {name: materialize(weight) for name, weight in weights.items()}
     for value in graph.inputs:
         if value.name not in inputs:
             raise IRError(f"no tensor for graph input %{value.name}")

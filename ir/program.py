@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ir.deferred import Weight
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph
 from kiln.ir.types import TensorType
@@ -19,7 +20,7 @@ def weight_type(tensor: torch.Tensor) -> TensorType:
 @dataclass
 class Program:
     graph: Graph
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
 
     def verify(self) -> None:
         """The graph verifies, and every param has a weight of its storage type (and no weight is extra)."""

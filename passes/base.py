@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kiln.errors import KilnError
 from kiln.ir import Program
+from kiln.ir.gguf_blocks import QuantizedTensor
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 DTYPES = ("f32", "f16", "bf16")
@@ -25,7 +24,7 @@ class PassOptions:
 
     quantization: None, "int8" (per output channel, symmetric), "int4" (groups of `group_size`, with
     zero point) or "gguf" (import the GGUF blocks in `gguf_blocks` without re-quantizing).
-    gguf_blocks: param name → (ggml type name, raw uint8 blocks, one row of blocks per output row).
+    gguf_blocks: param name → its GGUF blocks (ir/gguf_blocks.py), read when imported.
     quantize_lm_head: also quantize the LM head (the embedding is a gather and is never quantized).
     kv_cache_dtype: None (the model's float dtype) or "fp8_e4m3" (kv_cache.py).
     """
@@ -35,7 +34,7 @@ class PassOptions:
     quantize_lm_head: bool = False
     dtype: str = "f32"
     kv_cache_dtype: str | None = None
-    gguf_blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, hash=False, compare=False)
+    gguf_blocks: dict[str, QuantizedTensor] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATIONS):

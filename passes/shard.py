@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gguf
-import numpy as np
 import torch
 
 from kiln.ir import KV_CACHE_INPUT, Program
 from kiln.ir.builder import GraphBuilder
+from kiln.ir.deferred import Deferred, Weight
+from kiln.ir.gguf_blocks import QuantizedTensor
 from kiln.ir.graph import Graph, Node, Value, ValueKind
 from kiln.ir.types import TensorType
 from kiln.passes.base import PassError
@@ -71,7 +72,7 @@ class _Plan:
     kv_heads: int  # this rank's KV heads
 
 
-GGUFBlocks = dict[str, tuple[str, np.ndarray]]  # weight name → (GGUF type, one row of blocks a row)
+GGUFBlocks = dict[str, QuantizedTensor]  # weight name → its GGUF blocks
 
 
 def shard(program: Program, tp: int, rank: int) -> Program:
@@ -92,27 +93,26 @@ def shard_with_blocks(program: Program, tp: int, rank: int, blocks: GGUFBlocks) 
     sharded, weights = _rebuild(graph, program.weights, plan, tp, rank)
     result = Program(sharded, weights)
     result.verify()
-    cut = {name: _sliced_blocks(name, *held, plan.slices.get(name), tp) for name, held in blocks.items()}
+    cut = {name: _sliced_blocks(name, held, plan.slices.get(name), tp) for name, held in blocks.items()}
     return result, {name: held for name, held in cut.items() if name in weights}
 
 
-def _sliced_blocks(
-    name: str, ggml_type: str, blocks: np.ndarray, rows: Rows | None, tp: int
-) -> tuple[str, np.ndarray]:
+def _sliced_blocks(name: str, blocks: QuantizedTensor, rows: Rows | None, tp: int) -> QuantizedTensor:
     if rows is None:
-        return ggml_type, blocks
+        return blocks
     if not rows.columns:
-        return ggml_type, np.ascontiguousarray(blocks[rows.start : rows.stop])
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
-    if rows.start % block_size or rows.stop % block_size:
+        return blocks.rows(rows.start, rows.stop)
+    try:
+        return blocks.columns(rows.start, rows.stop)
+    except ValueError:
+        block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[blocks.ggml_type]][0]
         raise PassError(
-            f"cannot shard {name} ({ggml_type}) at tensor-parallel size {tp}: each rank's "
-            f"{rows.stop - rows.start} input features are not whole {block_size}-element {ggml_type} blocks",
+            f"cannot shard {name} ({blocks.ggml_type}) at tensor-parallel size {tp}: each rank's "
+            f"{rows.stop - rows.start} input features are not whole {block_size}-element "
+            f"{blocks.ggml_type} blocks",
             hint="use --quantization int8 or int4 (each rank quantizes its slice), or a size that splits "
             "the blocks",
-        )
-    start, stop = rows.start // block_size * block_bytes, rows.stop // block_size * block_bytes
-    return ggml_type, np.ascontiguousarray(blocks[:, start:stop])
+        ) from None
 
 
 def _producers(graph: Graph) -> dict[str, Node]:
@@ -259,9 +259,16 @@ def _plan_vocabulary(graph: Graph, producers: dict[str, Node], plan: _Plan, tp: 
         plan.slices[table] = Rows(rank * local, (rank + 1) * local)
 
 
-def _sliced(tensor: torch.Tensor, rows: Rows) -> torch.Tensor:
-    part = tensor[:, rows.start : rows.stop] if rows.columns else tensor[rows.start : rows.stop]
-    return part.contiguous().clone()
+def _sliced(weight: Weight, rows: Rows) -> Weight:
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        part = tensor[:, rows.start : rows.stop] if rows.columns else tensor[rows.start : rows.stop]
+        return part.contiguous().clone()
+
+    if not isinstance(weight, Deferred):
+        return cut(weight)
+    size = rows.stop - rows.start
+    shape = (weight.shape[0], size, *weight.shape[2:]) if rows.columns else (size, *weight.shape[1:])
+    return weight.then(shape, weight.dtype, cut)
 
 
 def _rebuild(

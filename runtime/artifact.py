@@ -4,7 +4,9 @@
                                  pipeline and options, limits, per-target entries, sha256 of every file
     DIR/tokenizer.json           the `tokenizers` tokenizer
     DIR/chat_template.jinja      the chat template (when the model has one)
-    DIR/weights/<hash>.safetensors   weights, stored once however many targets share them
+    DIR/weights/<hash>.safetensors   weights as the compiled code reads them (laid out for its kernels,
+                                 64-byte aligned, mapped at load: runtime/weights_file.py), stored
+                                 once however many targets share them
     DIR/<target>/...             one folder per target: the backend's compiled code, probe logits
 
 Loading checks, in order, and refuses with the cause named: the manifest parses, its schema version
@@ -26,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.backends.registry import get_backend
@@ -35,8 +36,9 @@ from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
 from kiln.runtime.tensor_parallel import CompiledRanks, TensorParallelExecutable, run_worker, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.weights_file import Entry, WeightsFileError, read_weights_file, write_weights_file
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: weights stored as the compiled code reads them (runtime/weights_file.py)
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -63,19 +65,19 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def write_weights(root: Path, weights: dict[str, torch.Tensor]) -> str:
-    """Save weights under root/weights/, named by their bytes (so targets sharing them share the file);
-    the path relative to root."""
+def write_weights(root: Path, entries: list[Entry]) -> tuple[str, str]:
+    """Write weights under root/weights/ (runtime/weights_file.py: one tensor at a time), named by their
+    bytes (so targets sharing them share the file); (the path relative to root, its sha256)."""
     (root / "weights").mkdir(parents=True, exist_ok=True)
     scratch = root / "weights" / "incoming.tmp"
-    save_file({name: t.contiguous() for name, t in sorted(weights.items())}, str(scratch))
-    name = f"weights/{sha256_file(scratch)[:16]}.safetensors"
+    digest = write_weights_file(scratch, entries)
+    name = f"weights/{digest[:16]}.safetensors"
     target = root / name
     if target.exists():
         scratch.unlink()
     else:
         scratch.rename(target)
-    return name
+    return name, digest
 
 
 def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -88,13 +90,17 @@ def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     return fields
 
 
-def seal(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Record the sha256 of every file in the folder and write manifest.json."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+def seal(folder: Path, manifest: dict[str, Any], known: dict[str, str] | None = None) -> dict[str, Any]:
+    """Record the sha256 of every file in the folder (`known`: those already hashed while written, by
+    relative path) and write manifest.json."""
+    known = known or {}
+    files = sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
     manifest = {
         **manifest,
         "schema_version": SCHEMA_VERSION,
-        "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files},
+        "files": {name: known.get(name) or sha256_file(folder / name) for name in files},
     }
     write_json(folder / MANIFEST, manifest)
     return manifest
@@ -302,11 +308,13 @@ def load_ranks(backend: str, target: Target, root: Path, ranks: list[dict[str, s
         return TensorParallelExecutable(_compiled_ranks(backend, target, root, ranks), len(ranks))
     path = root / ranks[0]["weights"]
     try:
-        weights = load_file(str(path))
-    except (OSError, SafetensorError) as error:
+        weights = read_weights_file(path)
+    except (OSError, WeightsFileError) as error:
         raise ArtifactError(f"{path}: cannot read the weights ({error})") from None
-    executable = get_backend(backend).load(root / ranks[0]["folder"], weights, target)
-    release_pages(weights.values())
+    loading = get_backend(backend)
+    executable = loading.load(root / ranks[0]["folder"], weights, target)
+    if loading.copies_weights:
+        release_pages(weights.values())
     return executable
 
 
@@ -380,9 +388,9 @@ _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay (
 
 
 def release_pages(tensors: Iterable[torch.Tensor]) -> None:
-    """Hand back the resident pages of the weights file once a backend has loaded from it: what it
-    re-laid out it copied, and what it uses as stored (e.g. an embedding table) faults back in from
-    the file row by row. Best effort: nothing happens where the kernel does not know MADV_PAGEOUT."""
+    """Hand back the resident pages of the weights file once a backend that copies its weights (ONNX
+    Runtime, TensorRT: `Backend.copies_weights`) has loaded from it. Best effort: nothing happens where
+    the kernel does not know MADV_PAGEOUT."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from kiln.backends.base import BackendError, Executable
 from kiln.ir import StepInputs
+from kiln.runtime.weights_file import read_weights_file
 
 STOP, CACHE, STEP = 0, 1, 2
 HEADER = 8
@@ -50,7 +50,7 @@ class CompiledRanks:
         from kiln.backends.registry import get_backend
         from kiln.backends.targets import Target
 
-        weights = load_file(self.weights[rank])
+        weights = read_weights_file(Path(self.weights[rank]))
         return get_backend(self.backend).load(Path(self.folders[rank]), weights, Target.parse(self.target))
 
 

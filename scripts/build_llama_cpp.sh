@@ -2,7 +2,9 @@
 # Build llama.cpp's llama-server and llama-bench for THIS host, from the llama.cpp source vendored in
 # the llama-cpp-python sdist on PyPI (no other network access needed). Used by `make bench-peers`.
 #
-#   scripts/build_llama_cpp.sh DEST [VERSION]     -> DEST/bin/llama-server, llama-bench, llama-batched-bench
+#   scripts/build_llama_cpp.sh DEST [VERSION]
+#       -> DEST/bin/llama-server, llama-bench, llama-batched-bench, llama-quantize
+#          and DEST/src/.../vendor/llama.cpp (convert_hf_to_gguf.py, gguf-py) for scripts/make_shaped_gguf.py
 #
 # -DGGML_NATIVE=ON compiles for the host's instruction set (AVX2 only, AVX-512, VNNI...). Only what the
 # host reports but cannot run is turned off: some VMs report AMX without enabling it, and llama.cpp's
@@ -27,7 +29,7 @@ cmake -S "$source_dir" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$dest/cmake.log"
-cmake --build "$dest/build" --target llama-server llama-bench llama-batched-bench -j "$(nproc)" >"$dest/build.log"
-cp "$dest/build/bin/llama-server" "$dest/build/bin/llama-bench" "$dest/build/bin/llama-batched-bench" "$dest/bin/"
+cmake --build "$dest/build" --target llama-server llama-bench llama-batched-bench llama-quantize -j "$(nproc)" >"$dest/build.log"
+for tool in llama-server llama-bench llama-batched-bench llama-quantize; do cp "$dest/build/bin/$tool" "$dest/bin/"; done
 isa=$(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || (grep -qw avx2 /proc/cpuinfo && echo AVX2 || echo "no AVX2"))
 echo "built $dest/bin/llama-server and llama-bench (llama.cpp from llama-cpp-python $version, -march=native: $isa)"

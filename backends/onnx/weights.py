@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kiln.backends.base import BackendError
-from kiln.ir import DTYPES
+from kiln.ir import DTYPES, deferred
 from kiln.ir.ops.quant import dequantize, pack_int4, unpack_int4
 
 # kind → what the tensor is: the param itself, or a MatMulNBits operand, or the dequantized float weight
@@ -57,7 +57,7 @@ def integral_zero_points(scheme: str, bits: int, zeros: torch.Tensor | None) -> 
         return True
     if scheme == "min" or zeros is None:
         return False
-    wide = zeros.to(torch.float32)
+    wide = deferred.materialize(zeros).to(torch.float32)
     return bool(((wide == wide.round()) & (wide >= 0) & (wide < 2**bits)).all())
 
 
@@ -107,7 +107,7 @@ def materialize(binding: WeightBinding, weights: dict[str, torch.Tensor]) -> tor
     missing = [name for name in binding.sources if name not in weights]
     if missing:
         raise BackendError(f"no weight {missing[0]} for ONNX input {binding.name}")
-    tensors = [weights[name] for name in binding.sources]
+    tensors = [deferred.materialize(weights[name]) for name in binding.sources]
     attrs = binding.attrs
     if binding.kind == "param":
         result = tensors[0]

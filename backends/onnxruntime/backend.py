@@ -28,6 +28,7 @@ SESSION_KEY = "session"
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
+    copies_weights = True
 
     def version(self) -> str:
         return f"onnxruntime-{ort.__version__}"

@@ -25,6 +25,7 @@ GRAPH_FILE = "graph.json"
 
 class ReferenceBackend:
     name = "reference"
+    copies_weights = False
 
     def version(self) -> str:
         return f"torch-{torch.__version__.split('+')[0]}"

@@ -8,6 +8,7 @@ import torch
 
 from kiln.backends.base import KVCacheSpec
 from kiln.ir import KV_CACHE_INPUT, Graph, StepInputs, verify
+from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
 
 
@@ -16,7 +17,7 @@ class ReferenceExecutable:
         verify(graph)
         check_weights(graph, weights)
         self.graph = graph
-        self.weights = weights
+        self.weights = {name: materialize(weight) for name, weight in weights.items()}
         self.kv_cache_spec = KVCacheSpec.of_graph(graph)
         self._last_uses = last_uses(graph)
 

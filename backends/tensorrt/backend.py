@@ -37,6 +37,7 @@ def _tensorrt_version() -> str | None:
 
 class TensorRTBackend:
     name = "tensorrt"
+    copies_weights = True
 
     def version(self) -> str:
         found = _tensorrt_version()

@@ -30,6 +30,7 @@ from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, set_threads, tvm_version
+from kiln.backends.tvm.layouts import stored_weights
 from kiln.ir import Program
 
 LIBRARY = "step.so"
@@ -47,6 +48,7 @@ def elf_machine(library: Path) -> str | None:
 
 class TVMBackend:
     name = "tvm"
+    copies_weights = False  # the artifact stores weights as its kernels read them: used where mapped
 
     def version(self) -> str:
         return f"tvm-{tvm_version()}"
@@ -141,6 +143,7 @@ class TVMBackend:
             [LIBRARY, DESCRIPTION],
             origins,
             {"mcpu": description["mcpu"], "num_threads": settings.num_threads, "host_triple": target.triple},
+            stored_weights(description["params"]),
         )
 
     def _description(self, folder: Path) -> dict[str, Any]:

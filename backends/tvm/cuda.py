@@ -31,6 +31,7 @@ from kiln.backends.kv_manifest import kv_cache_fields
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
+from kiln.backends.tvm.layouts import stored_weights
 from kiln.ir import Program, graph_to_json
 
 LIBRARY = "step.so"
@@ -242,6 +243,7 @@ def compile_cuda(
             "cuda_graph": {"enabled": cuda_graph},
             "cuda_graph_buckets": list(DECODE_BUCKETS) if cuda_graph else [],
         },
+        stored_weights(description["params"]),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,10 @@ import torch
 from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
-from kiln.backends.tvm.layouts import apply_layout
+from kiln.backends.tvm.layouts import apply_layout, stored_name
 from kiln.backends.tvm.staging import ALIGNMENT, InputStaging
 from kiln.ir import StepInputs
+from kiln.ir.deferred import Weight, materialize
 
 ROW_BLOCK = 4
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
@@ -168,23 +170,31 @@ class TVMExecutable:
         self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs and cuda_graphs_enabled() else None
         self.staging = InputStaging(device)
 
-    def _param(self, spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        source = weights.get(spec["source"])
-        if source is None:
-            raise BackendError(f"the artifact's weights have no {spec['source']}")
-        try:
-            tensor = apply_layout(spec["transform"], source)
-        except ValueError as error:
-            raise BackendError(
-                f"weight {spec['source']}: cannot lay it out as {spec['transform']} ({error})",
-                hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
-            ) from None
+    def _param(self, spec: dict[str, Any], weights: Mapping[str, Weight]) -> torch.Tensor:
+        """The weight as the kernels read it: stored so in the artifact (mapped, used as it is), or laid
+        out here from the program's weights (a program run without an artifact)."""
+        tensor = weights.get(stored_name(spec["source"], spec["transform"]))
+        if tensor is None:
+            tensor = self._laid_out(spec, weights)
         if list(tensor.shape) != spec["shape"] or tensor.dtype != getattr(torch, spec["dtype"]):
             raise BackendError(
                 f"weight {spec['source']} ({spec['transform']}) is {tensor.dtype} {list(tensor.shape)}, "
                 f"the compiled code wants {spec['dtype']} {spec['shape']}"
             )
-        return aligned(tensor.to(self.device))
+        return aligned(materialize(tensor).to(self.device))
+
+    @staticmethod
+    def _laid_out(spec: dict[str, Any], weights: Mapping[str, Weight]) -> torch.Tensor:
+        source = weights.get(spec["source"])
+        if source is None:
+            raise BackendError(f"the artifact's weights have no {spec['source']}")
+        try:
+            return apply_layout(spec["transform"], materialize(source))
+        except ValueError as error:
+            raise BackendError(
+                f"weight {spec['source']}: cannot lay it out as {spec['transform']} ({error})",
+                hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
+            ) from None
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
         return step_tensors(inputs)

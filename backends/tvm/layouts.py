@@ -1,9 +1,11 @@
-"""Weight layouts the TVM kernels read, made from the artifact's weights once, at load.
+"""Weight layouts the TVM kernels read, made from the program's weights once, when the artifact is
+written (`stored_weights`): the artifact holds each weight as the kernels read it, so loading maps the
+file and copies nothing.
 
-The artifact stores weights as the IR holds them ([N, K] rows, quantized blocks as the passes left
-them). The linear kernels read a strip of `tile` output columns at a time, so each weight is stored
-as strips: [N / tile, K, tile], one contiguous block per strip (streamed, no strided rows). The
-transform names are recorded with the compiled code (step.json).
+The IR holds weights as [N, K] rows, quantized blocks as the passes left them. The linear kernels read a
+strip of `tile` output columns at a time, so each weight is stored as strips: [N / tile, K, tile], one
+contiguous block per strip (streamed, no strided rows). The transform names are recorded with the
+compiled code (step.json), and each laid-out weight is stored as `<source>@<transform>`.
 
     none                          as stored
     tiled:<tile>                  [N, X] -> [N / tile, X, tile]
@@ -25,9 +27,14 @@ transform names are recorded with the compiled code (step.json).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
 import torch
 
+from kiln.backends.base import StoredWeight
 from kiln.ir.ops.quant import unpack_int4
 
 
@@ -108,13 +115,36 @@ def factored(scales: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor
     )
 
 
+LAYOUT_ROWS = (
+    4096  # about this many rows laid out together (whole tiles): bounds a large tensor's temporaries
+)
+_TILE_ARG = {
+    "tiled": 0,
+    "int4_tiled": 1,
+    "factored_sub": 0,
+    "factored_super": 0,
+    "dot_tiled": 2,
+    "dot_high": 2,
+}
+
+
 def apply_layout(transform: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Stacked experts [E, N, X] take a layout as the [E * N, X] rows they are: E experts' strips."""
-    kind, *args = transform.split(":")
-    if kind == "none":
+    """Stacked experts [E, N, X] take a layout as the [E * N, X] rows they are: E experts' strips. Every
+    layout keeps rows in strips of whole tiles, so a large tensor is laid out a slice of rows at a time."""
+    if transform.split(":")[0] == "none":
         return tensor
     if tensor.dim() > 2:
         tensor = tensor.reshape(-1, tensor.shape[-1])
+    kind, *args = transform.split(":")
+    tile = int(args[_TILE_ARG[kind]]) if kind in _TILE_ARG else 0
+    if not tile or tensor.shape[0] <= LAYOUT_ROWS:
+        return _laid_out(transform, tensor)
+    rows = -(-LAYOUT_ROWS // tile) * tile
+    return torch.cat([_laid_out(transform, part) for part in tensor.split(rows)])
+
+
+def _laid_out(transform: str, tensor: torch.Tensor) -> torch.Tensor:
+    kind, *args = transform.split(":")
     if kind == "tiled":
         return tiled(tensor, int(args[0]))
     if kind == "int4_tiled":
@@ -144,3 +174,20 @@ def dot_transform(kind: str, bits: int, packing: str, tile: int, plane: int, off
 
 def factored_transform(kind: str, tile: int, per: int) -> str:
     return f"factored_{kind}:{tile}:{per}"
+
+
+def stored_name(source: str, transform: str) -> str:
+    """The artifact's name for weight `source` laid out by `transform`."""
+    return source if transform == "none" else f"{source}@{transform}"
+
+
+def stored_weights(params: Iterable[dict[str, Any]]) -> list[StoredWeight]:
+    """What the artifact stores for compiled code with these step.json params, each weight once."""
+    stored: dict[str, StoredWeight] = {}
+    for spec in params:
+        name = stored_name(spec["source"], spec["transform"])
+        if name not in stored:
+            lay_out = functools.partial(apply_layout, spec["transform"])
+            dtype = getattr(torch, spec["dtype"])
+            stored[name] = StoredWeight(name, spec["source"], tuple(spec["shape"]), dtype, lay_out)
+    return list(stored.values())

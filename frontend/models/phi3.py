@@ -7,6 +7,7 @@ from typing import Any
 
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.source import QuantizedTensor
+from kiln.ir.deferred import Deferred
 
 FUSED = {  # fused weight → the parts, in row order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -16,7 +17,9 @@ FUSED = {  # fused weight → the parts, in row order
 
 def _rows(weight: Any, start: int, stop: int) -> Any:
     if isinstance(weight, QuantizedTensor):
-        return QuantizedTensor(weight.ggml_type, (stop - start, *weight.shape[1:]), weight.blocks[start:stop])
+        return weight.rows(start, stop)
+    if isinstance(weight, Deferred):
+        return weight.then((stop - start, *weight.shape[1:]), weight.dtype, lambda values: values[start:stop])
     return weight[start:stop]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ir import Program, ValueKind, get_op
+from kiln.ir.deferred import materialize
 from kiln.passes.base import Pass, PassOptions
 from kiln.passes.rewriter import Rewriter
 
@@ -17,7 +18,7 @@ def fold_constants(program: Program, options: PassOptions) -> tuple[Program, boo
         if not foldable:
             rewriter.keep(node)
             continue
-        tensors = [rewriter.weights[v.name] if v is not None else None for v in inputs]
+        tensors = [materialize(rewriter.weights[v.name]) if v is not None else None for v in inputs]
         with torch.no_grad():
             result = get_op(node.op).reference(*tensors, **node.attrs)
         results = result if isinstance(result, tuple) else (result,)

@@ -4,9 +4,8 @@ linears of one layout fuse the same way (their rows concatenate)."""
 
 from __future__ import annotations
 
-import torch
-
 from kiln.ir import Node, Program, Value, ValueKind
+from kiln.ir.deferred import concatenated
 from kiln.passes.base import Pass, PassOptions
 from kiln.passes.rewriter import Rewriter
 
@@ -73,7 +72,7 @@ def fuse_parallel_linears(program: Program, options: PassOptions) -> tuple[Progr
                 inputs.append(None)
                 continue
             names = [p.name for p in params if p is not None]
-            tensor = torch.cat([rewriter.weights[name] for name in names], dim=0)
+            tensor = concatenated([rewriter.weights[name] for name in names])
             inputs.append(rewriter.add_param(_fused_name(names), tensor))
         (fused,) = rewriter.emit(node.op, inputs, node.attrs, node.source)
         sizes = [int(member.outputs[0].type.shape[-1]) for member in members]

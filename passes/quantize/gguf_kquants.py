@@ -197,3 +197,22 @@ def import_kquant(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) ->
     values = torch.from_numpy(np.ascontiguousarray(q)).to(torch.int8)
     packed = pack_int4(values.to(torch.uint8), "pairs") if kind.bits == 4 else values
     return ImportedBlocks(packed, scales, mins, kind)
+
+
+IMPORT_ROWS = 4096  # rows imported together: bounds gguf's float32 temporaries for a large tensor
+
+
+def import_kquant_rows(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) -> ImportedBlocks:
+    """`import_kquant`, a slice of rows at a time (the same values; less memory for a large tensor)."""
+    rows, k = shape
+    if rows <= IMPORT_ROWS:
+        return import_kquant(ggml_type, blocks, shape)
+    flat = np.ascontiguousarray(blocks).reshape(rows, -1)
+    parts = [
+        import_kquant(ggml_type, flat[start : start + IMPORT_ROWS], (min(IMPORT_ROWS, rows - start), k))
+        for start in range(0, rows, IMPORT_ROWS)
+    ]
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    return ImportedBlocks(
+        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins, parts[0].kind
+    )

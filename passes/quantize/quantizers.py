@@ -3,14 +3,17 @@ No graph is touched here; `swap.py` puts the results into the program."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kiln.ir.deferred import Weight, materialize, shared_parts
 from kiln.ir.ops.quant import pack_int4
 from kiln.passes.base import PassError
-from kiln.passes.quantize.gguf_kquants import KQUANTS, import_kquant
+from kiln.passes.quantize.gguf_kquants import KQUANTS, import_kquant_rows
 
 # ggml type → (bytes per block of 32 values, scheme)
 GGUF_BLOCKS = {"Q8_0": (34, "symmetric"), "Q4_0": (18, "zero_point"), "Q4_1": (20, "min")}
@@ -18,9 +21,9 @@ GGUF_BLOCKS = {"Q8_0": (34, "symmetric"), "Q4_0": (18, "zero_point"), "Q4_1": (2
 
 @dataclass
 class QuantizedWeight:
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
+    qweight: Weight
+    scales: Weight
+    zeros: Weight | None
     bits: int
     group_size: int
     scheme: str
@@ -40,6 +43,29 @@ class QuantizedWeight:
         if self.scale_block is not None:
             attrs["scale_block"] = self.scale_block
         return attrs
+
+
+def deferred_quantized(
+    make: Callable[[], QuantizedWeight], probe: QuantizedWeight, rows: int
+) -> QuantizedWeight:
+    """`make()`'s weight, deferred: qweight, scales and zeros computed together when the first of them
+    is asked for. `probe`: the same quantizer on one row, for the layout and the parts' types."""
+
+    def parts() -> tuple[torch.Tensor | None, ...]:
+        made = make()
+        return (
+            materialize(made.qweight),
+            materialize(made.scales),
+            None if made.zeros is None else materialize(made.zeros),
+        )
+
+    types = [
+        None if part is None else ((rows, *part.shape[1:]), part.dtype)
+        for part in (probe.qweight, probe.scales, probe.zeros)
+    ]
+    qweight, scales, zeros = shared_parts(parts, types)
+    assert qweight is not None and scales is not None
+    return dataclasses.replace(probe, qweight=qweight, scales=scales, zeros=zeros)
 
 
 INT8_CLIP_RATIOS = torch.linspace(1.0, 0.7, 16)
@@ -91,7 +117,7 @@ def import_gguf(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int], name
     """GGUF blocks as our layout, without re-quantizing: Q8_0 / Q4_0 / Q4_1 as they are (scales and mins
     stay f16), the K-quants and Q5 types through gguf_kquants.py."""
     if ggml_type in KQUANTS:
-        imported = import_kquant(ggml_type, blocks, shape)
+        imported = import_kquant_rows(ggml_type, blocks, shape)
         kind = imported.kind
         packing = "pairs" if kind.bits == 4 else "none"
         return QuantizedWeight(

@@ -7,9 +7,16 @@ from __future__ import annotations
 import torch
 
 from kiln.ir import Node, Program, Value, ValueKind
+from kiln.ir.deferred import Deferred, Weight, reshaped
 from kiln.ir.ops.moe import PROJECTIONS
 from kiln.passes.base import Pass, PassError, PassOptions
-from kiln.passes.quantize.quantizers import QuantizedWeight, import_gguf, quantize_int4, quantize_int8
+from kiln.passes.quantize.quantizers import (
+    QuantizedWeight,
+    deferred_quantized,
+    import_gguf,
+    quantize_int4,
+    quantize_int8,
+)
 from kiln.passes.rewriter import Rewriter
 
 
@@ -33,32 +40,42 @@ def _quantized(node: Node, program: Program, options: PassOptions) -> QuantizedW
     return _quantized_weight(weight.name, program.weights[weight.name], options)
 
 
-def _quantized_weight(name: str, tensor: torch.Tensor, options: PassOptions) -> QuantizedWeight | None:
+def _quantized_weight(name: str, tensor: Weight, options: PassOptions) -> QuantizedWeight | None:
+    """The weight quantized as `options` asks (None: it stays float): deferred where its values are
+    (GGUF blocks always are), so a compile imports each weight when the artifact is written."""
     rows, k = tensor.shape
-    if options.quantization == "int8":
-        return quantize_int8(tensor)
-    if options.quantization == "int4":
-        if k % options.group_size:
-            raise PassError(
-                f"weight {name}: in_features {k} is not a multiple of group size {options.group_size}",
-                hint="choose a group size that divides it (32, 64 or 128), or int8",
-            )
-        return quantize_int4(tensor, options.group_size)
+    if options.quantization == "int4" and k % options.group_size:
+        raise PassError(
+            f"weight {name}: in_features {k} is not a multiple of group size {options.group_size}",
+            hint="choose a group size that divides it (32, 64 or 128), or int8",
+        )
+    if options.quantization in ("int8", "int4"):
+        group = options.group_size
+
+        def quantize(values: torch.Tensor) -> QuantizedWeight:
+            return quantize_int8(values) if options.quantization == "int8" else quantize_int4(values, group)
+
+        if not isinstance(tensor, Deferred):
+            return quantize(tensor)
+        return deferred_quantized(lambda: quantize(tensor.materialize()), quantize(torch.zeros(1, k)), rows)
     blocks = options.gguf_blocks.get(name)
     if blocks is None:
         return None  # stored as float in the GGUF: it stays float
-    return import_gguf(blocks[0], blocks[1], (rows, k), name)
+    probe = import_gguf(blocks.ggml_type, blocks.rows(0, 1).read(), (1, k), name)
+    return deferred_quantized(
+        lambda: import_gguf(blocks.ggml_type, blocks.read(), (rows, k), name), probe, rows
+    )
 
 
-def _quantized_experts(name: str, tensor: torch.Tensor, options: PassOptions) -> QuantizedWeight | None:
+def _quantized_experts(name: str, tensor: Weight, options: PassOptions) -> QuantizedWeight | None:
     """Stacked experts [E, N, K] quantized as the [E * N, K] rows they are, then stacked again."""
     experts, rows, k = tensor.shape
-    flat = _quantized_weight(name, tensor.reshape(experts * rows, k), options)
+    flat = _quantized_weight(name, reshaped(tensor, (experts * rows, k)), options)
     if flat is None:
         return None
-    flat.qweight = flat.qweight.reshape(experts, rows, -1)
-    flat.scales = flat.scales.reshape(experts, rows, -1)
-    flat.zeros = None if flat.zeros is None else flat.zeros.reshape(experts, rows, -1)
+    flat.qweight = reshaped(flat.qweight, (experts, rows, -1))
+    flat.scales = reshaped(flat.scales, (experts, rows, -1))
+    flat.zeros = None if flat.zeros is None else reshaped(flat.zeros, (experts, rows, -1))
     return flat
 
 

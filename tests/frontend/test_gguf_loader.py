@@ -15,6 +15,7 @@ import torch
 from kiln.errors import ModelLoadError, UnsupportedArchitectureError
 from kiln.frontend.gguf_loader import load_gguf
 from kiln.frontend.source import ModelSource, QuantizedTensor
+from kiln.ir.deferred import Deferred, materialize
 
 Q = gguf.GGMLQuantizationType
 
@@ -84,8 +85,9 @@ def test_smollm2_weight_names(smollm2: ModelSource) -> None:
     assert isinstance(q_proj, QuantizedTensor) and (q_proj.ggml_type, q_proj.shape) == ("Q4_1", (576, 576))
     k_proj = smollm2.weights["model.layers.0.self_attn.k_proj.weight"]
     assert isinstance(k_proj, QuantizedTensor) and k_proj.shape == (192, 576)
-    norm = smollm2.weights["model.norm.weight"]
-    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float32 and norm.shape == (576,)
+    norm = smollm2.weights["model.norm.weight"]  # read when materialized, as the blocks when imported
+    assert isinstance(norm, Deferred) and norm.dtype == torch.float32 and norm.shape == (576,)
+    assert norm.materialize().shape == (576,)
 
 
 def test_smollm2_quantized_tensors_dequantize_like_gguf(
@@ -118,7 +120,7 @@ def test_smollm2_weights_equal_transformers(
     assert len(names) >= 9
     for name in names:
         weight = smollm2.weights[name]
-        ours = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        ours = weight.dequantize() if isinstance(weight, QuantizedTensor) else materialize(weight)
         assert torch.equal(ours, transformers_state_dict[name]), name
 
 
@@ -273,7 +275,8 @@ def test_float_types_round_trip(tmp_path: Path) -> None:
         assert set(source.weights) == set(weights)
         for name, array in weights.items():
             loaded = source.weights[name]
-            assert isinstance(loaded, torch.Tensor)
+            assert isinstance(loaded, Deferred)
+            loaded = loaded.materialize()
             want = torch.from_numpy(array).to(dtype if array.ndim == 2 else torch.float32)
             assert loaded.dtype == want.dtype and torch.equal(loaded, want), (ggml_type, name)
 
@@ -285,12 +288,12 @@ def test_quantized_types_round_trip(tmp_path: Path, ggml_type: str) -> None:
     for name, array in weights.items():
         loaded = source.weights[name]
         if array.ndim == 1:
-            assert torch.equal(loaded, torch.from_numpy(array))
+            assert torch.equal(materialize(loaded), torch.from_numpy(array))
             continue
         assert isinstance(loaded, QuantizedTensor)
         assert (loaded.ggml_type, loaded.shape) == (ggml_type, array.shape)
         blocks = gguf.quants.quantize(array, Q[ggml_type])
-        assert np.array_equal(loaded.blocks, blocks), name  # the Q/K rows of blocks are back in HF order
+        assert np.array_equal(loaded.read(), blocks), name  # the Q/K rows of blocks are back in HF order
         reference = torch.from_numpy(gguf.quants.dequantize(blocks, Q[ggml_type]))
         assert torch.equal(loaded.dequantize(), reference), name
 
@@ -313,7 +316,7 @@ def test_qwen2_is_not_permuted_and_has_bias(tmp_path: Path) -> None:
     assert source.config.qkv_bias and not source.config.o_bias
     assert set(source.weights) == set(weights)
     for name, array in weights.items():
-        assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+        assert torch.equal(materialize(source.weights[name]), torch.from_numpy(array)), name
 
 
 def test_qwen3_has_per_head_q_and_k_norms(tmp_path: Path) -> None:
@@ -323,7 +326,7 @@ def test_qwen3_has_per_head_q_and_k_norms(tmp_path: Path) -> None:
     assert source.config.qk_norm and not source.config.qkv_bias
     assert set(source.weights) == set(weights)
     for name, array in weights.items():
-        assert torch.equal(source.weights[name], torch.from_numpy(array)), name
+        assert torch.equal(materialize(source.weights[name]), torch.from_numpy(array)), name
 
 
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 32
@@ -375,7 +378,7 @@ def test_mixture_of_experts(
     assert set(source.weights) == set(weights)
     for name in weights:
         if ".mlp." in name:
-            assert torch.equal(source.weights[name], torch.from_numpy(weights[name])), name
+            assert torch.equal(materialize(source.weights[name]), torch.from_numpy(weights[name])), name
 
 
 def test_quantized_experts_stay_blocks(tmp_path: Path) -> None:
@@ -423,10 +426,10 @@ def test_phi3_fused_weights_are_split(tmp_path: Path, ggml_type: str) -> None:
     reference = load_gguf(write_gguf(tmp_path / "llama.gguf", weights, arch="qwen2", ggml_type=ggml_type))
     for name in weights:
         ours, theirs = source.weights[name], reference.weights[name]
-        if isinstance(theirs, torch.Tensor):
-            assert torch.equal(ours, theirs), name
+        if isinstance(theirs, Deferred):
+            assert torch.equal(materialize(ours), theirs.materialize()), name
         else:
-            assert ours.shape == theirs.shape and np.array_equal(ours.blocks, theirs.blocks), name
+            assert ours.shape == theirs.shape and np.array_equal(ours.read(), theirs.read()), name
 
 
 def test_longrope_factors_and_attention_factor(tmp_path: Path) -> None:
@@ -463,7 +466,7 @@ def test_llama_bias_is_unpermuted(tmp_path: Path) -> None:
     source = load_gguf(write_gguf(tmp_path / "bias.gguf", weights))
     assert source.config.qkv_bias
     for name in ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias"):
-        assert torch.equal(source.weights[name], torch.from_numpy(weights[name])), name
+        assert torch.equal(materialize(source.weights[name]), torch.from_numpy(weights[name])), name
 
 
 def test_mistral_is_stored_as_llama(tmp_path: Path) -> None:
@@ -629,17 +632,18 @@ def test_not_gguf(tmp_path: Path, content: bytes) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", ["F16", "Q8_0"])
-def test_weights_are_copied_out_of_the_file(tmp_path: Path, ggml_type: str) -> None:
+def test_weights_are_read_from_the_file_when_needed(tmp_path: Path, ggml_type: str) -> None:
+    """Loading reads no weight; a weight read is a copy, which the file changing afterwards keeps."""
     path = write_gguf(tmp_path / "tiny.gguf", tiny_weights(), ggml_type=ggml_type)
     source = load_gguf(path)
-    before = source.float_weights()
+    before = {name: materialize(w) for name, w in source.float_weights().items()}
     data_offset = gguf.GGUFReader(path).data_offset
-    with path.open("r+b") as file:  # a weight still mapped from the file would now read zeros
+    with path.open("r+b") as file:
         file.seek(data_offset)
         file.write(bytes(path.stat().st_size - data_offset))
-    after = source.float_weights()
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    assert not torch.equal(load_gguf(path).float_weights()["model.norm.weight"], before["model.norm.weight"])
+    assert all(torch.count_nonzero(before[name]) for name in before)
+    after = {name: materialize(w) for name, w in source.float_weights().items()}
+    assert not any(torch.count_nonzero(after[name]) for name in after)
 
 
 def test_metadata_that_does_not_fit_the_tensors(tmp_path: Path) -> None:

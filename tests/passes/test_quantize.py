@@ -52,7 +52,7 @@ def test_smollm2_q4_1_blocks_import_bit_identically(smollm2_gguf_path) -> None:
     source = load_gguf(smollm2_gguf_path)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         weight = source.weights[name]
-        imported = import_gguf(weight.ggml_type, weight.blocks, weight.shape, name)
+        imported = import_gguf(weight.ggml_type, weight.read(), weight.shape, name)
         assert torch.equal(_dequantized(imported), weight.dequantize())
 
 
@@ -128,3 +128,14 @@ def test_bad_options_are_named() -> None:
         PassOptions(quantization="int3")
     with pytest.raises(PassError, match="group_size 48"):
         PassOptions(quantization="int4", group_size=48)
+
+
+def test_a_large_tensor_imports_a_slice_of_rows_at_a_time(monkeypatch, random_gguf_blocks) -> None:
+    from kiln.passes.quantize import gguf_kquants
+
+    blocks = random_gguf_blocks("Q6_K", 40, 512, seed=3)
+    whole = gguf_kquants.import_kquant("Q6_K", blocks, (40, 512))
+    monkeypatch.setattr(gguf_kquants, "IMPORT_ROWS", 16)
+    sliced = gguf_kquants.import_kquant_rows("Q6_K", blocks, (40, 512))
+    assert torch.equal(sliced.q, whole.q) and torch.equal(sliced.scales, whole.scales)
+    assert sliced.mins is None and whole.mins is None

@@ -26,7 +26,7 @@ def _blocks_and_weights(tiny_llama, random_gguf_blocks, skip: str | None) -> tup
             continue
         rows, k = tensor.shape
         held = random_gguf_blocks(GGML_TYPE, rows, k, seed=index, edges=False)
-        blocks[name] = (GGML_TYPE, held)
+        blocks[name] = QuantizedTensor(GGML_TYPE, (rows, k), held)
         weights = {**weights, name: QuantizedTensor(GGML_TYPE, (rows, k), held).dequantize()}
     return config, weights, blocks
 
@@ -39,12 +39,11 @@ def test_each_ranks_blocks_dequantize_to_its_weights(tiny_llama, random_gguf_blo
     for rank in range(world):
         program, cut = shard_with_blocks(Program(captured.graph, captured.weights), world, rank, blocks)
         assert cut and set(cut) <= set(program.weights)
-        for name, (ggml_type, held) in cut.items():
-            shape = tuple(program.weights[name].shape)
-            dequantized = QuantizedTensor(ggml_type, shape, held).dequantize()
-            assert torch.equal(dequantized, program.weights[name]), (rank, name)
+        for name, held in cut.items():
+            assert held.shape == tuple(program.weights[name].shape)
+            assert torch.equal(held.dequantize(), program.weights[name]), (rank, name)
         row_parallel = [name for name in cut if "down_proj" in name]
-        assert row_parallel and all(cut[n][1].shape[1] < blocks[n][1].shape[1] for n in row_parallel)
+        assert row_parallel and all(cut[n].read().shape[1] < blocks[n].read().shape[1] for n in row_parallel)
 
 
 def test_a_cut_through_a_block_is_refused(tiny_llama, random_gguf_blocks) -> None:
@@ -52,4 +51,4 @@ def test_a_cut_through_a_block_is_refused(tiny_llama, random_gguf_blocks) -> Non
     captured = capture_weights(config, weights)
     with pytest.raises(PassError, match=r"o_proj.weight \(Q5_0\) at tensor-parallel size 2: each rank's 16"):
         shard_with_blocks(Program(captured.graph, captured.weights), 2, 0, blocks)
-    assert np.all(blocks["model.layers.0.self_attn.o_proj.weight"][1] >= 0)  # the source is not changed
+    assert np.all(blocks["model.layers.0.self_attn.o_proj.weight"].read() >= 0)  # the source is not changed
