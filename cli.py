@@ -202,7 +202,16 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _peak_rss_bytes() -> int:
-    """The most memory this process has held resident so far (Linux reports KiB)."""
+    """The most memory this process has held resident so far. Linux's VmHWM is this program's own;
+    ru_maxrss (the fallback elsewhere) also counts the process that started it, since exec keeps the
+    high-water mark of the address space it replaced (a test worker's, a shell's)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
