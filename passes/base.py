@@ -25,7 +25,8 @@ class PassOptions:
     quantization: None, "int8" (per output channel, symmetric), "int4" (groups of `group_size`, with
     zero point) or "gguf" (import the GGUF blocks in `gguf_blocks` without re-quantizing).
     gguf_blocks: param name → its GGUF blocks (ir/gguf_blocks.py), read when imported.
-    quantize_lm_head: also quantize the LM head (the embedding is a gather and is never quantized).
+    quantize_lm_head: also quantize the LM head (int8 and int4 never quantize the embedding, a gather;
+    gguf gathers from the table's blocks when the program is float32).
     kv_cache_dtype: None (the model's float dtype) or "fp8_e4m3" (kv_cache.py).
     """
 

@@ -45,7 +45,12 @@ def calibrated_scales(program: Program) -> dict[int, tuple[float, float]]:
         raise PassError(
             "an fp8 KV cache is calibrated by running the model, and this program's weights are shapes only"
         )
-    vocab = next(int(node.inputs[0].type.shape[0]) for node in graph.nodes if node.op == "embedding")
+    tables = {"embedding": 0, "quantized_embedding": 1}  # the op → its table's input
+    vocab = next(
+        int(table.type.shape[0])
+        for node in graph.nodes
+        if node.op in tables and (table := node.inputs[tables[node.op]]) is not None
+    )
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
     blocks = -(-CALIBRATION_TOKENS // BLOCK_SIZE)
     slices = [

@@ -374,10 +374,18 @@ def _random_gguf_blocks(ggml_type: str, rows: int, k: int, seed: int = 0, edges:
     with `edges` also zeros, subnormals and the largest, so scales of every magnitude are imported."""
     from kiln.passes.quantize.gguf_kquants import KQUANTS
 
-    kind = KQUANTS[ggml_type]
+    legacy = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # (values, bytes) a block
+    values_per_block, block_bytes = (
+        legacy[ggml_type]
+        if ggml_type in legacy
+        else (KQUANTS[ggml_type].values, KQUANTS[ggml_type].block_bytes)
+    )
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows * k // kind.values, kind.block_bytes), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows * k // values_per_block, block_bytes), dtype=np.uint8)
     f16_fields = {
+        "Q4_0": (0,),
+        "Q4_1": (0, 2),
+        "Q8_0": (0,),
         "Q4_K": (0, 2),
         "Q5_K": (0, 2),
         "Q6_K": (208,),

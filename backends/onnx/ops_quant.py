@@ -1,4 +1,5 @@
-"""quantized_linear → com.microsoft MatMulNBits (operands repacked at load time), or a float Gemm.
+"""quantized_linear → com.microsoft MatMulNBits (operands repacked at load time), or a float Gemm;
+quantized_embedding → a Gather from the table dequantized at load.
 
 MatMulNBits computes x @ (scale * (q - zero_point)).T with q unsigned, in blocks of a power of two
 (16..128 here) along K. Every kiln layout maps onto it: 4-bit "gguf" packing is repacked to
@@ -140,3 +141,19 @@ def _quantized_linear(ctx: LoweringContext, node: Node, outputs: list[str]) -> s
 
     matmul_2d(ctx, x, gemm, outputs)
     return "onnx Gemm (weight dequantized at load)"
+
+
+@rule("quantized_embedding")
+def _quantized_embedding(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    """The table dequantized once at load, then a Gather (ONNX has no gather of packed rows)."""
+    ids = node.inputs[0]
+    assert ids is not None
+    layout = _layout(node)
+    qweight = node.inputs[1]
+    assert qweight is not None
+    sources = [v.name for v in node.inputs[1:] if v is not None]
+    vocab, k = int(qweight.type.shape[0]), int(node.outputs[0].type.shape[-1])
+    base = qweight.name.removesuffix(".qweight")
+    table = ctx.bind(WeightBinding(f"{base}.dequantized", "dequantized", sources, "f32", [vocab, k], layout))
+    ctx.b.node("Gather", [table, ctx.name(ids)], outputs, axis=0)
+    return "onnx Gather (table dequantized at load)"

@@ -17,7 +17,7 @@ compiled code (step.json), and each laid-out weight is stored as `<source>@<tran
                                   4 bytes, [N / tile, K / step, tile * 4]. plane 8: a byte a value,
                                   4 k a row. plane 4, 5, 6: u's low nibbles, 8 k a row: a byte holds
                                   k (low nibble) and k + 4 (high)
-    factored_sub:<tile>:<per>     scales (or mins) s [N, G] as s = D * c exactly, D a float32 a run of
+    factored_sub:<tile>:<per>     scales (or mins) s [N, G] as s = D * c exactly, D a float16 a run of
     factored_super:<tile>:<per>   <per> groups, c an int8 a group (GGUF K-quants: d * sc): c tiled
                                   [N / tile, G, tile] int8, D tiled [N / tile, G / per, tile] float32
     dot_high:...                  plane 5 and 6: the bits above the nibble, same row shape; a row
@@ -83,9 +83,34 @@ def dot_high(
     return _strips(packed, tile).contiguous()
 
 
+def _float16_divisors(base: np.ndarray, smallest: np.ndarray, largest: np.ndarray) -> np.ndarray:
+    """For each run, the signed m of least size with base / m a float16 and every factor times m an
+    int8 (factors smallest..largest); ValueError if a run has none."""
+    chosen = np.zeros(base.shape, dtype=np.int64)
+    flat = chosen.reshape(-1)
+    bases, lows, highs = base.reshape(-1), smallest.reshape(-1), largest.reshape(-1)
+    pending = np.arange(flat.size)
+    for m in range(1, 129):
+        for sign in (1, -1):  # a negative d flips the factors' signs
+            candidate = sign * bases[pending] / m
+            low, high = lows[pending] * m * sign, highs[pending] * m * sign
+            fits = (
+                (candidate.astype(np.float16).astype(np.float64) == candidate)
+                & (np.minimum(low, high) >= -128)
+                & (np.maximum(low, high) <= 127)
+            )
+            flat[pending[fits]] = sign * m
+            pending = pending[~fits]
+        if not pending.size:
+            return chosen
+    raise ValueError("scales are not a float16 times int8 factors per run")
+
+
 def factored(scales: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(D [N, G / per] float32, c [N, G] int8) with D * c == scales bit for bit in float32: D is the
-    gcd of each run's values on their common power-of-two unit. Raises ValueError where none exists."""
+    """(D [N, G / per] float16, c [N, G] int8) with D * c == scales bit for bit in float32: D is the
+    gcd of each run's values on their common power-of-two unit, divided by the smallest m that makes it
+    a float16 with c * m still an int8 (GGUF K-quants: D is the file's own d). Raises ValueError where
+    none exists."""
     values = scales.to(torch.float32).numpy()
     rows, groups = values.shape
     runs = values.reshape(rows, groups // per, per)
@@ -101,16 +126,14 @@ def factored(scales: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor
     empty = common == 0
     common = np.where(empty, 1, common)
     factors = integers // common
-    flip = np.where((factors > 127).any(axis=-1, keepdims=True), -1, 1)  # a negative d times -128
-    factors = factors * flip
-    base = flip * np.where(empty, 0.0, np.ldexp(common.astype(np.float64), np.where(empty, 0, lowest)))
-    base32 = base.astype(np.float32)
-    if (factors < -128).any() or (factors > 127).any() or (base32.astype(np.float64) != base).any():
-        raise ValueError("scales are not a float32 times int8 factors per run")
-    if not np.array_equal(base32 * factors.astype(np.float32), runs):
+    base = np.where(empty, 0.0, np.ldexp(common.astype(np.float64), np.where(empty, 0, lowest)))
+    chosen = _float16_divisors(base, factors.min(axis=-1, keepdims=True), factors.max(axis=-1, keepdims=True))
+    base16 = (base / chosen).astype(np.float16)
+    factors = factors * chosen.astype(np.int64)
+    if not np.array_equal(base16.astype(np.float32) * factors.astype(np.float32), runs):
         raise ValueError("factored scales do not reproduce every scale")
     return (
-        torch.from_numpy(base32.reshape(rows, groups // per)),
+        torch.from_numpy(base16.reshape(rows, groups // per)),
         torch.from_numpy(factors.astype(np.int8).reshape(rows, groups)),
     )
 

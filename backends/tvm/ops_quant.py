@@ -143,8 +143,63 @@ def dot_weights(
 
 
 def factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[relax.Expr]:
-    """Scales (or mins) as [int8 a group, float32 a run of `per` groups] (layouts.py `factored_*`)."""
+    """Scales (or mins) as [int8 a group, float16 a run of `per` groups] (layouts.py `factored_*`)."""
     n, groups = math.prod(int(d) for d in scales.type.shape[:-1]), int(scales.type.shape[-1])
     sub = lw.param(scales, factored_transform("sub", tile, per), (n // tile, groups, tile), "i8")
-    above = lw.param(scales, factored_transform("super", tile, per), (n // tile, groups // per, tile), "f32")
+    above = lw.param(scales, factored_transform("super", tile, per), (n // tile, groups // per, tile), "f16")
     return [sub, above]
+
+
+@lowering("quantized_embedding")
+def _quantized_embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    """Rows of the quantized table at the ids, dequantized after the gather: a token reads its row's
+    bytes only. The table stays in its import layout (4-bit values two a byte), K-quant scales factored
+    as for the integer-dot kernels (an int8 a group times a float16 a super-block)."""
+    ids, qweight, scales = node.inputs[:3]
+    zeros = node.inputs[3] if len(node.inputs) > 3 else None
+    assert ids is not None and qweight is not None and scales is not None
+    bits, group, scheme, packing = (node.attrs[a] for a in ("bits", "group_size", "scheme", "packing"))
+    vocab, k = int(qweight.type.shape[0]), int(node.outputs[0].type.shape[-1])
+    groups = k // int(group)
+    tokens = [lw.dim(d) for d in node.outputs[0].type.shape[:-1]]
+    index = lw.value(ids)
+
+    def rows(table: relax.Expr) -> relax.Expr:
+        return lw.emit(relax.op.take(table, index, axis=0, mode="clip"))
+
+    packed = rows(lw.param(qweight))
+    if bits == 4:
+        low = relax.op.bitwise_and(packed, relax.const(15, "uint8"))
+        high = relax.op.right_shift(packed, relax.const(4, "uint8"))
+        if packing == "pairs":  # element 2i low, 2i + 1 high
+            values = relax.op.stack([low, high], axis=-1)
+        else:  # gguf: per 32, element j low and j + 16 high
+            halves = [*tokens, k // 32, 16]
+            values = relax.op.concat([relax.op.reshape(low, halves), relax.op.reshape(high, halves)], axis=-1)
+    else:
+        values = packed
+    grouped = lw.emit(relax.op.reshape(relax.op.astype(values, "float32"), [*tokens, groups, int(group)]))
+    scale_block = node.attrs.get("scale_block")
+    per = int(scale_block) // int(group) if scale_block else 0
+    per = per if per > 1 and groups % per == 0 else 0
+
+    def group_floats(value: Value) -> relax.Expr:
+        """[*tokens, groups, 1] float32: each group's scale (or zero, or min) of the rows read."""
+        if not per:
+            picked = rows(lw.param(value))
+            return relax.op.expand_dims(relax.op.astype(picked, "float32"), -1)
+        sub = rows(lw.param(value, factored_transform("sub", 1, per), (vocab, groups, 1), "i8"))
+        above = rows(lw.param(value, factored_transform("super", 1, per), (vocab, groups // per, 1), "f16"))
+        runs = relax.op.astype(relax.op.repeat(above, per, axis=-2), "float32")
+        return relax.op.multiply(runs, relax.op.astype(sub, "float32"))
+
+    scale = group_floats(scales)
+    if scheme == "symmetric":
+        weight = relax.op.multiply(grouped, scale)
+    elif scheme == "zero_point":
+        assert zeros is not None
+        weight = relax.op.multiply(scale, relax.op.subtract(grouped, group_floats(zeros)))
+    else:
+        assert zeros is not None
+        weight = relax.op.add(relax.op.multiply(scale, grouped), group_floats(zeros))
+    return [lw.emit(relax.op.reshape(weight, [*tokens, k]))]

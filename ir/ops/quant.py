@@ -85,14 +85,14 @@ def dequantize(
     return weight.reshape(rows, k)
 
 
-def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
-    x, qweight, scales = (
-        required(inputs[0], "x"),
-        required(inputs[1], "qweight"),
-        required(inputs[2], "scales"),
-    )
-    zeros = inputs[3] if len(inputs) > 3 else None
-    bias = inputs[4] if len(inputs) > 4 else None
+def _check_layout(
+    qweight: TensorType,
+    scales: TensorType,
+    zeros: TensorType | None,
+    k: int | str,
+    attrs: dict[str, Any],
+) -> int | str:
+    """That qweight, scales (and zeros) hold a quantized [N, k] weight as `attrs` say; N."""
     bits, group, scheme, packing = (
         attrs.get("bits"),
         attrs.get("group_size"),
@@ -114,12 +114,11 @@ def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str
         isinstance(value_bits, int) and isinstance(bits, int) and 1 <= value_bits <= bits,
         f"value_bits {value_bits!r} must be 1..{bits}",
     )
-    require(x.dtype in FLOAT_DTYPES and x.rank >= 1, f"x must be a float tensor, got {x.text()}")
-    k = x.shape[-1]
     require(
         isinstance(k, int) and isinstance(group, int) and group > 0 and k % group == 0,
         f"in_features {k} is not a multiple of group_size {group}",
     )
+    assert isinstance(k, int) and isinstance(group, int)
     require(qweight.rank == 2, f"qweight must be 2-D, got {qweight.text()}")
     n = qweight.shape[0]
     packed_k = k // 2 if bits == 4 else k
@@ -138,6 +137,19 @@ def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str
     )
     if zeros is not None:
         require(zeros.shape == scales.shape, f"zeros {shape_text(zeros.shape)} must match scales")
+    return n
+
+
+def _infer_quantized_linear(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    x, qweight, scales = (
+        required(inputs[0], "x"),
+        required(inputs[1], "qweight"),
+        required(inputs[2], "scales"),
+    )
+    zeros = inputs[3] if len(inputs) > 3 else None
+    bias = inputs[4] if len(inputs) > 4 else None
+    require(x.dtype in FLOAT_DTYPES and x.rank >= 1, f"x must be a float tensor, got {x.text()}")
+    n = _check_layout(qweight, scales, zeros, x.shape[-1], attrs)
     if bias is not None:
         require(bias.shape == (n,), f"bias {shape_text(bias.shape)} does not fit {n} outputs")
     return [TensorType(x.dtype, (*x.shape[:-1], n))]
@@ -178,5 +190,69 @@ register(
         _infer_quantized_linear,
         quantized_linear,
         doc="(x, qweight, scales, zeros?, bias?) -> x @ dequantize(...).T + bias",
+    )
+)
+
+
+def _infer_quantized_embedding(
+    inputs: Sequence[TensorType | None], attrs: dict[str, Any]
+) -> list[TensorType]:
+    ids, qweight, scales = (
+        required(inputs[0], "ids"),
+        required(inputs[1], "qweight"),
+        required(inputs[2], "scales"),
+    )
+    zeros = inputs[3] if len(inputs) > 3 else None
+    require(ids.dtype in ("i32", "i64"), f"ids must be integers, got {ids.dtype}")
+    group = attrs.get("group_size")
+    require(isinstance(group, int) and group > 0, f"group_size must be a positive int, got {group!r}")
+    assert isinstance(group, int)
+    k = scales.shape[-1] * group if isinstance(scales.shape[-1], int) else scales.shape[-1]
+    _check_layout(qweight, scales, zeros, k, attrs)
+    return [TensorType("f32", (*ids.shape, k))]
+
+
+def quantized_embedding(
+    ids: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    *,
+    bits: int,
+    group_size: int,
+    scheme: str,
+    packing: str,
+    value_bits: int | None = None,
+    scale_block: int | None = None,
+) -> torch.Tensor:
+    flat = ids.reshape(-1).long()
+    rows = dequantize(
+        qweight[flat],
+        scales[flat],
+        None if zeros is None else zeros[flat],
+        bits=bits,
+        group_size=group_size,
+        scheme=scheme,
+        packing=packing,
+    )
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
+register(
+    OpDef(
+        "quantized_embedding",
+        (3, 4),
+        {
+            "bits": "as quantized_linear",
+            "group_size": "as quantized_linear",
+            "scheme": "as quantized_linear",
+            "packing": "as quantized_linear",
+            "value_bits": "as quantized_linear",
+            "scale_block": "as quantized_linear",
+        },
+        _infer_quantized_embedding,
+        quantized_embedding,
+        doc="(ids, qweight, scales, zeros?) -> float32 rows of dequantize(...) at ids: only those rows "
+        "are dequantized",
     )
 )

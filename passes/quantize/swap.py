@@ -1,5 +1,6 @@
 """Phase 2 of quantization: each eligible linear becomes a quantized_linear over the quantized weight,
-and each moe a quantized_moe over its quantized experts. Routers stay float: top-k is discontinuous,
+each moe a quantized_moe over its quantized experts, and (gguf) an embedding whose table is GGUF
+blocks a quantized_embedding over them. Routers stay float: top-k is discontinuous,
 and a quantized router's noise would swap experts for a small saving (E x hidden values)."""
 
 from __future__ import annotations
@@ -32,12 +33,6 @@ def _is_lm_head(node: Node, embedding_weights: set[str]) -> bool:
 
 def _routers(program: Program) -> set[str]:
     return {n.inputs[1].name for n in program.graph.nodes if n.op == "moe" and n.inputs[1] is not None}
-
-
-def _quantized(node: Node, program: Program, options: PassOptions) -> QuantizedWeight | None:
-    weight = node.inputs[1]
-    assert weight is not None
-    return _quantized_weight(weight.name, program.weights[weight.name], options)
 
 
 def _quantized_weight(name: str, tensor: Weight, options: PassOptions) -> QuantizedWeight | None:
@@ -106,6 +101,45 @@ def _quantize_moe(node: Node, program: Program, options: PassOptions, rewriter: 
     return True
 
 
+def _embeds_quantized(node: Node, options: PassOptions) -> bool:
+    """An embedding whose table the GGUF holds as blocks gathers from them (only the rows it reads are
+    dequantized), when the program stays float32 (its output is float32)."""
+    table = node.inputs[0]
+    return (
+        node.op == "embedding"
+        and options.quantization == "gguf"
+        and options.dtype == "f32"
+        and table is not None
+        and table.kind is ValueKind.PARAM
+        and table.name in options.gguf_blocks
+    )
+
+
+class _QuantizedParams:
+    """Each weight's quantized params, added once: a tied table's embedding and LM head share them."""
+
+    def __init__(self, program: Program, options: PassOptions, rewriter: Rewriter) -> None:
+        self.program, self.options, self.rewriter = program, options, rewriter
+        self.added: dict[str, tuple[list[Value | None], dict[str, int | str]] | None] = {}
+
+    def of(self, weight: Value) -> tuple[list[Value | None], dict[str, int | str]] | None:
+        """[qweight, scales, zeros or None] and the layout's attrs (None: the weight stays float)."""
+        if weight.name not in self.added:
+            quantized = _quantized_weight(weight.name, self.program.weights[weight.name], self.options)
+            if quantized is None:
+                self.added[weight.name] = None
+            else:
+                add = self.rewriter.add_param
+                zeros = quantized.zeros
+                params: list[Value | None] = [
+                    add(f"{weight.name}.qweight", quantized.qweight),
+                    add(f"{weight.name}.scales", quantized.scales),
+                    None if zeros is None else add(f"{weight.name}.zeros", zeros),
+                ]
+                self.added[weight.name] = (params, quantized.attrs())
+        return self.added[weight.name]
+
+
 def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, bool]:
     if options.quantization is None:
         return program, False
@@ -114,10 +148,25 @@ def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, b
     embedding_weights = _embedding_weights(program)
     routers = _routers(program)
     rewriter = Rewriter(program)
+    quantized_params = _QuantizedParams(program, options, rewriter)
     for node in program.graph.nodes:
         if node.op == "moe":
             if not _quantize_moe(node, program, options, rewriter):
                 rewriter.keep(node)
+            continue
+        if _embeds_quantized(node, options):
+            table = node.inputs[0]
+            assert table is not None
+            found = quantized_params.of(table)
+            if found is None:
+                rewriter.keep(node)
+                continue
+            params, attrs = found
+            inputs = [node.inputs[1], *params]
+            while inputs[-1] is None:
+                inputs.pop()
+            (out,) = rewriter.emit("quantized_embedding", inputs, attrs, node.source)
+            rewriter.replace(node.outputs[0], out)
             continue
         weight = node.inputs[1] if node.op == "linear" else None
         eligible = (
@@ -126,23 +175,16 @@ def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, b
             and node.outputs[0].name not in routers
             and (options.quantize_lm_head or not _is_lm_head(node, embedding_weights))
         )
-        quantized = _quantized(node, program, options) if eligible else None
-        if quantized is None:
+        found = quantized_params.of(weight) if eligible and weight is not None else None
+        if found is None:
             rewriter.keep(node)
             continue
-        assert weight is not None
-        qweight = rewriter.add_param(f"{weight.name}.qweight", quantized.qweight)
-        scales = rewriter.add_param(f"{weight.name}.scales", quantized.scales)
-        zeros = (
-            rewriter.add_param(f"{weight.name}.zeros", quantized.zeros)
-            if quantized.zeros is not None
-            else None
-        )
+        params, attrs = found
         bias = node.inputs[2] if len(node.inputs) > 2 else None
-        inputs = [node.inputs[0], qweight, scales, zeros, bias]
+        inputs = [node.inputs[0], *params, bias]
         while inputs[-1] is None:
             inputs.pop()
-        (out,) = rewriter.emit("quantized_linear", inputs, quantized.attrs(), node.source)
+        (out,) = rewriter.emit("quantized_linear", inputs, attrs, node.source)
         rewriter.replace(node.outputs[0], out)
     return rewriter.finish(), rewriter.changed
 
@@ -150,5 +192,6 @@ def quantize_linears(program: Program, options: PassOptions) -> tuple[Program, b
 QUANTIZE_LINEARS = Pass(
     "quantize_linears",
     quantize_linears,
-    "linear → quantized_linear, moe → quantized_moe (int8, int4, gguf)",
+    "linear → quantized_linear, moe → quantized_moe (int8, int4, gguf), embedding → quantized_embedding "
+    "(gguf)",
 )

@@ -1,8 +1,9 @@
 """Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
 against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
-layers and LM head are random blocks of every type in turn (a mix, as in the files people download),
-prefills of 1, 4, 16 and 64 rows; and a one-layer Mixtral whose experts are Q4_K_M's mix (Q4_K gate
-and up, Q6_K down). Each type's kernel on every instruction set is checked alone in
+layers and LM head are random blocks of every type in turn (a mix, as in the files people download)
+and whose embedding table is Q4_K blocks, prefills of 1, 4, 16 and 64 rows; one with Q4_1 linears
+and a Q4_0 table; and a one-layer Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K
+down) and whose table is Q6_K. Each type's kernel on every instruction set is checked alone in
 tvm/kernels/test_int_dot.py."""
 
 from __future__ import annotations
@@ -55,16 +56,22 @@ MOE_CONFIG = dataclasses.replace(
 )
 
 
-def _program(ggml_types: tuple[str, ...], random_gguf_blocks, config: ModelConfig = CONFIG):
+def _program(
+    ggml_types: tuple[str, ...], random_gguf_blocks, embedding_type: str, config: ModelConfig = CONFIG
+):
     """The one-layer model whose linear weights (and LM head), in name order, are random blocks of
-    `ggml_types` in turn; experts' down projections Q6_K (as in Q4_K_M files); routers float."""
+    `ggml_types` in turn; experts' down projections Q6_K (as in Q4_K_M files); routers float; the
+    embedding table `embedding_type`'s blocks (a quantized_embedding)."""
     with torch.device("meta"):
         shapes = model_class(config)(config).state_dict()
     generator = torch.Generator().manual_seed(0)
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     linears = 0
     for seed, (name, tensor) in enumerate(sorted(shapes.items())):
-        if tensor.dim() >= 2 and name != "model.embed_tokens.weight" and not name.endswith("mlp.gate.weight"):
+        if name == "model.embed_tokens.weight":
+            blocks = random_gguf_blocks(embedding_type, *tensor.shape, seed, edges=False)
+            weights[name] = QuantizedTensor(embedding_type, tuple(tensor.shape), blocks)
+        elif tensor.dim() >= 2 and not name.endswith("mlp.gate.weight"):
             rows, k = tensor.shape[:-1].numel(), tensor.shape[-1]
             expert_down = name.endswith("experts.down_proj.weight")
             kind = "Q6_K" if expert_down else ggml_types[linears % len(ggml_types)]
@@ -79,6 +86,8 @@ def _program(ggml_types: tuple[str, ...], random_gguf_blocks, config: ModelConfi
     floats = source.float_weights()
     optimized = optimize(config, floats, PipelineOptions(opt_level=2, quantization="gguf"), source)
     assert optimized.quantization == "gguf"
+    (embedding,) = [node for node in optimized.program.graph.nodes if "embedding" in node.op]
+    assert embedding.op == "quantized_embedding"
     return optimized.program
 
 
@@ -92,11 +101,16 @@ def _logits(executable, num_rows: int) -> torch.Tensor:
 
 
 def test_tvm_and_onnxruntime_match_the_reference(tmp_path: Path, random_gguf_blocks) -> None:
-    _check_backends(_program(TYPES, random_gguf_blocks), "every type", tmp_path)
+    _check_backends(_program(TYPES, random_gguf_blocks, "Q4_K"), "every type", tmp_path)
+
+
+def test_q4_0_table_and_q4_1_linears(tmp_path: Path, random_gguf_blocks) -> None:
+    """The legacy types' 4-bit order (element j low, j + 16 high) gathered from the table."""
+    _check_backends(_program(("Q4_1",), random_gguf_blocks, "Q4_0"), "Q4_0 table", tmp_path)
 
 
 def test_q4_k_m_experts(tmp_path: Path, random_gguf_blocks) -> None:
-    program = _program(("Q4_K",), random_gguf_blocks, MOE_CONFIG)
+    program = _program(("Q4_K",), random_gguf_blocks, "Q6_K", MOE_CONFIG)
     moe = next(node for node in program.graph.nodes if node.op == "quantized_moe")
     assert (moe.attrs["gate"]["bits"], moe.attrs["down"].get("value_bits")) == (4, 6)
     _check_backends(program, "Q4_K / Q6_K experts", tmp_path)

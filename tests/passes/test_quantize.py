@@ -3,6 +3,8 @@ swap pass makes quantized_linear nodes that compute what the dequantized weights
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -139,3 +141,36 @@ def test_a_large_tensor_imports_a_slice_of_rows_at_a_time(monkeypatch, random_gg
     sliced = gguf_kquants.import_kquant_rows("Q6_K", blocks, (40, 512))
     assert torch.equal(sliced.q, whole.q) and torch.equal(sliced.scales, whole.scales)
     assert sliced.mins is None and whole.mins is None
+
+
+TIED = """\
+graph g(%ids: i64[T]) {
+  param @emb: f32[64,256]
+  %0: f32[T,256] = embedding(@emb, %ids)
+  %1: f32[T,64] = linear(%0, @emb)
+  return %0, %1
+}
+"""
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q8_0"])
+def test_gguf_tables_are_gathered_from_their_blocks(kit, random_gguf_blocks, ggml_type: str) -> None:
+    """The embedding reads the GGUF blocks (only the rows asked for are dequantized), bit-identical to
+    the dequantized table; a tied LM head reads the same params."""
+    from kiln.ir.gguf_blocks import QuantizedTensor
+
+    program = kit.program_from_text(TIED)
+    blocks = QuantizedTensor(ggml_type, (64, 256), random_gguf_blocks(ggml_type, 64, 256, seed=5))
+    options = PassOptions(quantization="gguf", gguf_blocks={"emb": blocks}, quantize_lm_head=True)
+    after, changed = quantize_linears(program, options)
+    after.verify()
+    assert changed and after.graph.op_counts() == {"quantized_embedding": 1, "quantized_linear": 1}
+    embedding, head = after.graph.nodes
+    assert embedding.inputs[1:] == head.inputs[1:]  # one qweight, scales (and zeros) for both
+    ids = torch.tensor([63, 0, 7, 7, 31])
+    got = interpret(after.graph, after.weights, {"ids": ids})
+    table = blocks.dequantize()
+    assert torch.equal(got[0], table[ids])
+
+    float_program, _ = quantize_linears(program, dataclasses.replace(options, dtype="f16"))
+    assert float_program.graph.op_counts()["embedding"] == 1  # a float16 program keeps a float table

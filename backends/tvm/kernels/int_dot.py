@@ -282,7 +282,7 @@ class IntDotPlan:
     plane: Plane
     tile: int  # columns a strip
     activation_bits: int = 16
-    scale_per: int = 0  # > 0: factored scales, an int8 a group times a float32 a run of this many groups
+    scale_per: int = 0  # > 0: factored scales, an int8 a group times a float16 a run of this many groups
     experts: int = 0  # > 0: the mixture-of-experts form; its rows are slots, top_k a token
     top_k: int = 1
     slot_input: bool = False  # experts: a slot's input row is the slot itself, not its token
@@ -449,8 +449,8 @@ class IntDotPlan:
         return "int8" if self.factored else DTYPE_NAMES[self.spec.scale_dtype]
 
     @property
-    def super_dtype(self) -> str:  # of the float32 a run of groups (else the scales again, unread)
-        return "float32" if self.factored else DTYPE_NAMES[self.spec.scale_dtype]
+    def super_dtype(self) -> str:  # of the float16 a run of groups (else the scales again, unread)
+        return "float16" if self.factored else DTYPE_NAMES[self.spec.scale_dtype]
 
     @property
     def super_shape(self) -> tuple[int, int, int]:
@@ -787,7 +787,7 @@ def _block_dots(
 def _scale_of(plan: IntDotPlan, sub: Buffer, above: Buffer, wj: Expr, g: Expr, lane: Expr) -> Expr:
     """Group g's float32 scale (or zero) of column `lane` in weight strip wj."""
     if plan.factored:
-        return above[wj, g // plan.scale_per, lane] * T.Cast("float32", sub[wj, g, lane])
+        return T.Cast("float32", above[wj, g // plan.scale_per, lane]) * T.Cast("float32", sub[wj, g, lane])
     return T.Cast("float32", sub[wj, g, lane])
 
 
@@ -1036,7 +1036,7 @@ def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
         )
         scales = T.match_buffer(s_handle, (plan.strips, plan.groups, plan.tile), plan.sub_dtype)
         zeros = T.match_buffer(z_handle, (plan.strips, plan.groups, plan.tile), plan.sub_dtype)
-        scales_super = T.match_buffer(  # factored: the float32 a run of groups (else scales again, unread)
+        scales_super = T.match_buffer(  # factored: the float16 a run of groups (else scales again, unread)
             s_super_handle, plan.super_shape, plan.super_dtype
         )
         zeros_super = T.match_buffer(z_super_handle, plan.super_shape, plan.super_dtype)

@@ -61,3 +61,18 @@ def test_each_stored_weight_once_under_its_layouts_name() -> None:
     assert stored_name("b", "none") == "b"
     weight = torch.randn(32, 8)
     assert torch.equal(stored[0].lay_out(weight), apply_layout("tiled:16", weight))
+
+
+def test_kquant_scales_factor_into_the_files_float16_d() -> None:
+    """d * sc with d a float16 whose product with the sc's common factor is not one (d = 1 + 2^-10, sc
+    all multiples of 3): D is d itself; with a negative d and sc from -128 to 126, or all zero, D * c
+    still gives every scale back."""
+    from kiln.backends.tvm.layouts import factored
+
+    d = torch.tensor([[1 + 2**-10], [-0.0123], [0.0]], dtype=torch.float16).to(torch.float64)
+    sc = torch.tensor([[3, 6, 9, 63, 3, 3, 3, 3], [-128, 2, 4, 8, 16, 32, 64, 126], [1] * 8])
+    scales = (d * sc).to(torch.float32)
+    base, factors = factored(scales, 8)
+    assert base.dtype == torch.float16 and factors.dtype == torch.int8
+    assert torch.equal(base.to(torch.float32) * factors.to(torch.float32), scales)
+    assert base[0, 0].item() == d[0, 0].item()  # 3 * d is no float16: D is d
