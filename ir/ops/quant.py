@@ -18,7 +18,8 @@ for symmetric): backends may pack them tighter. An optional `scale_block` says t
 zeros) are a float per `scale_block` values times a small integer a group (GGUF K-quants: d * sc per
 256): backends may store them so. Neither changes the arithmetic.
 The arithmetic below is the same, in the same order, as the `gguf` package's dequantization, so GGUF
-blocks imported here dequantize bit-identically.
+blocks imported here dequantize bit-identically. `quantized_embedding` gathers rows of such a weight
+(a GGUF token embedding kept as its blocks) and dequantizes only those.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Qwen2.5-Coder-0.5B-Instruct, the Q4_K_M GGUF people download (Q4_K, Q6_K, Q5_0, Q8_0 tensors), on the
-default path (`kiln.LLM(model)`: TVM for this CPU, the GGUF's own blocks) against transformers float32
-loading the same GGUF: 32 greedy tokens for 3 prompts, raw and chat-templated."""
+"""Qwen2.5-Coder-0.5B- and 1.5B-Instruct, the Q4_K_M GGUFs people download (Q4_K, Q6_K, Q5_0, Q8_0
+tensors), on the default path (`kiln.LLM(model)`: TVM for this CPU, the GGUF's own blocks, token
+embedding included) against transformers float32 loading the same GGUF: 32 greedy tokens for 3
+prompts (0.5B: raw and chat-templated; 1.5B: chat-templated)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # a 0.5B model: a compile of about a minute, then transformers
+pytestmark = pytest.mark.slow  # a compile of a minute or two per model, then transformers in float32
 
-NAME = "qwen2.5-coder-0.5b-instruct"
 PROMPTS = [
     "def quicksort(items):\n    ",
     "The three primary colours are",
     "Write a haiku about a kiln.",
 ]
+# model → whether each prompt runs raw, chat-templated or both
+MODELS = {"qwen2.5-coder-0.5b-instruct": (False, True), "qwen2.5-coder-1.5b-instruct": (True,)}
 NUM_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def qwen_gguf_path() -> Path:
+@pytest.fixture(scope="module", params=list(MODELS))
+def qwen_gguf_path(request: pytest.FixtureRequest) -> Path:
+    name = request.param
     home = Path(os.environ.get("KILN_HOME", "~/.cache/kiln")).expanduser()
-    path = home / "models" / NAME / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    path = home / "models" / name / f"{name}-q4_k_m.gguf"
     if not path.is_file():
-        pytest.skip(f"{NAME} not found at {path}; `make test` fetches it (`kiln pull {NAME}`)")
+        pytest.skip(f"{name} not found at {path}; `make test` fetches it (`kiln pull {name}`)")
     return path
 
 
@@ -61,11 +64,12 @@ def test_the_default_path_is_tvm_with_the_k_quant_blocks(qwen_kiln) -> None:
     assert "quantization gguf" in describe(qwen_kiln.artifact)
 
 
-def test_greedy_tokens_match_transformers(qwen_kiln, qwen_hf, hf_greedy) -> None:
+def test_greedy_tokens_match_transformers(qwen_kiln, qwen_gguf_path: Path, qwen_hf, hf_greedy) -> None:
     import kiln
 
     eos_ids = qwen_kiln.get_tokenizer().eos_token_ids
-    cases = [(prompt, chat) for prompt in PROMPTS for chat in (False, True)]
+    chats = MODELS[qwen_gguf_path.parent.name]
+    cases = [(prompt, chat) for prompt in PROMPTS for chat in chats]
     prompts = [_prompt_ids(qwen_kiln, prompt, chat) for prompt, chat in cases]
     params = kiln.SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
     ours = [output.outputs[0].token_ids for output in qwen_kiln.generate(prompts, params)]
