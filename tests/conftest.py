@@ -373,12 +373,11 @@ def _random_gguf_blocks(ggml_type: str, rows: int, k: int, seed: int = 0, edges:
     """Random bytes in `ggml_type`'s blocks, every f16 field (d, dmin, m) a finite value of about 0.01;
     with `edges` also zeros, subnormals and the largest, so scales of every magnitude are imported."""
     from kiln.passes.quantize.gguf_kquants import KQUANTS
+    from kiln.passes.quantize.quantizers import GGUF_BLOCKS
 
-    legacy = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # (values, bytes) a block
+    kind = KQUANTS.get(ggml_type)  # else Q4_0, Q4_1, Q8_0: 32 values a block
     values_per_block, block_bytes = (
-        legacy[ggml_type]
-        if ggml_type in legacy
-        else (KQUANTS[ggml_type].values, KQUANTS[ggml_type].block_bytes)
+        (32, GGUF_BLOCKS[ggml_type][0]) if kind is None else (kind.values, kind.block_bytes)
     )
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * k // values_per_block, block_bytes), dtype=np.uint8)

@@ -149,9 +149,7 @@ def _quantized_embedding(ctx: LoweringContext, node: Node, outputs: list[str]) -
     ids = node.inputs[0]
     assert ids is not None
     layout = _layout(node)
-    qweight = node.inputs[1]
-    assert qweight is not None
-    sources = [v.name for v in node.inputs[1:] if v is not None]
+    qweight, sources = _sources(node)  # qweight, scales, zeros sit where quantized_linear has them
     vocab, k = int(qweight.type.shape[0]), int(node.outputs[0].type.shape[-1])
     base = qweight.name.removesuffix(".qweight")
     table = ctx.bind(WeightBinding(f"{base}.dequantized", "dequantized", sources, "f32", [vocab, k], layout))

@@ -19,7 +19,7 @@ compiled code (step.json), and each laid-out weight is stored as `<source>@<tran
                                   k (low nibble) and k + 4 (high)
     factored_sub:<tile>:<per>     scales (or mins) s [N, G] as s = D * c exactly, D a float16 a run of
     factored_super:<tile>:<per>   <per> groups, c an int8 a group (GGUF K-quants: d * sc): c tiled
-                                  [N / tile, G, tile] int8, D tiled [N / tile, G / per, tile] float32
+                                  [N / tile, G, tile] int8, D tiled [N / tile, G / per, tile] float16
     dot_high:...                  plane 5 and 6: the bits above the nibble, same row shape; a row
                                   covers 4 nibble rows (plane 5: bit 2p + h is row p's nibble h's
                                   fifth bit) or 2 (plane 6: bits 2(2p + h), +1)

@@ -19,7 +19,7 @@ from kiln.backends.tvm.layouts import tiled_transform
 from kiln.backends.tvm.lowerer import ROW_BLOCK, ROW_COUNTS, Lowerer, row_blocks
 from kiln.backends.tvm.lowering_registry import lowering
 from kiln.backends.tvm.ops_basic import swiglu_call
-from kiln.backends.tvm.ops_quant import dot_weights, factored_scales
+from kiln.backends.tvm.ops_quant import dot_weights, factored_scales, scale_run
 from kiln.ir import Node
 from kiln.ir.ops.moe import quantized_inputs
 
@@ -141,9 +141,7 @@ def _quantized_moe(lw: Lowerer, node: Node) -> list[relax.Expr]:
                 hint="int8 or int4 re-quantization (--quantization int8) has kernels for every size "
                 f"that is a multiple of {isa.lanes}",
             )
-        scale_block = layout.get("scale_block")
-        per = int(scale_block) // group if scale_block else 0
-        per = per if per > 1 and (k // group) % per == 0 else 0
+        per = scale_run(layout.get("scale_block"), group, k)
         weights = dot_weights(lw, qweight, bits, str(layout["packing"]), tile, plane)
         if per:
             scale_args = factored_scales(lw, scales, tile, per)

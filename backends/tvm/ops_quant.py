@@ -44,9 +44,8 @@ def _quantized_linear(lw: Lowerer, node: Node) -> list[relax.Expr]:
     dot_tile = int_dot.int_dot_tile(n, spec, isa) if isa is not None else None
     group_tile = quant_gemm.quant_tile(n, spec) if lw.target_kind == "cpu" else None
     tile = dot_tile or group_tile or linear_kernels.column_tile(n)
-    scale_block = node.attrs.get("scale_block")
-    per = int(scale_block) // int(group) if scale_block and dot_tile is not None else 0
-    per = per if per > 1 and (k // group) % per == 0 else 0  # the int-dot kernel's factored scales
+    # the int-dot kernel's factored scales
+    per = scale_run(node.attrs.get("scale_block"), int(group), k) if dot_tile is not None else 0
     if not per:
         scale_param = lw.param(scales, tiled_transform(tile), (n // tile, k // group, tile))
         zero_param = (
@@ -142,6 +141,13 @@ def dot_weights(
     return [main, high]
 
 
+def scale_run(scale_block: int | None, group: int, k: int) -> int:
+    """Groups a factored scale's float16 spans (the IR's `scale_block` hint), 0 where the scales stay
+    a float a group (no hint, a run of one group, or K not whole runs)."""
+    per = int(scale_block) // group if scale_block else 0
+    return per if per > 1 and (k // group) % per == 0 else 0
+
+
 def factored_scales(lw: Lowerer, scales: Value, tile: int, per: int) -> list[relax.Expr]:
     """Scales (or mins) as [int8 a group, float16 a run of `per` groups] (layouts.py `factored_*`)."""
     n, groups = math.prod(int(d) for d in scales.type.shape[:-1]), int(scales.type.shape[-1])
@@ -179,9 +185,7 @@ def _quantized_embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
     else:
         values = packed
     grouped = lw.emit(relax.op.reshape(relax.op.astype(values, "float32"), [*tokens, groups, int(group)]))
-    scale_block = node.attrs.get("scale_block")
-    per = int(scale_block) // int(group) if scale_block else 0
-    per = per if per > 1 and groups % per == 0 else 0
+    per = scale_run(node.attrs.get("scale_block"), int(group), k)
 
     def group_floats(value: Value) -> relax.Expr:
         """[*tokens, groups, 1] float32: each group's scale (or zero, or min) of the rows read."""
