@@ -31,12 +31,13 @@ class DeviceRequiredError(BackendError):
 
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4", "gguf")  # None: float weights
 FLOAT8_KV_CACHE = "fp8_e4m3"
+KV_CACHE_DTYPES = ("f32", "f16", "bf16", FLOAT8_KV_CACHE)  # a cache in another dtype than the model's
 
 
 @dataclass(frozen=True)
 class BuildRequest:
     """What a plan asks one backend to build for one target, every choice made. `kv_cache_dtype`: None
-    (the float dtype) or FLOAT8_KV_CACHE."""
+    (the float dtype) or one of KV_CACHE_DTYPES."""
 
     quantization: str | None
     dtype: str
@@ -58,12 +59,13 @@ class Refusal:
 @dataclass(frozen=True)
 class Capabilities:
     """What one backend builds for one target, as data. A request outside it is refused with the reason
-    the backend gives for that option in `why_not` (`unavailable`: the target cannot be built here at all)."""
+    the backend gives for that option and value in `why_not` ("kv_cache_dtype=bf16"), else for that option
+    ("kv_cache_dtype"); `unavailable`: the target cannot be built here at all."""
 
     unavailable: Refusal | None = None
     quantizations: frozenset[str | None] = frozenset(QUANTIZATIONS)
     dtypes: frozenset[str] = frozenset({"f32", "f16", "bf16"})
-    float8_kv_cache: bool = False
+    kv_cache_dtypes: frozenset[str | None] = frozenset({None})  # None: the model's float dtype
     activation_bits: frozenset[int] = frozenset({16})
     tensor_parallel: bool = False
     why_not: Mapping[str, Refusal] = field(default_factory=dict)
@@ -75,14 +77,18 @@ class Capabilities:
         builds = {
             "quantization": request.quantization in self.quantizations,
             "dtype": request.dtype in self.dtypes,
-            "kv_cache_dtype": request.kv_cache_dtype is None or self.float8_kv_cache,
+            "kv_cache_dtype": request.kv_cache_dtype in self.kv_cache_dtypes,
             "activation_bits": request.activation_bits in self.activation_bits,
             "tensor_parallel_size": request.tensor_parallel_size == 1 or self.tensor_parallel,
         }
         for option, supported in builds.items():
             if not supported:
                 value = getattr(request, option)
-                return self.why_not.get(option) or Refusal(f"{option} {value} is not supported", option)
+                return (
+                    self.why_not.get(f"{option}={value}")
+                    or self.why_not.get(option)
+                    or Refusal(f"{option} {value} is not supported", option)
+                )
         return None
 
 
@@ -92,7 +98,7 @@ class Hardware:
     conversions from sm_89; CPUs convert in software), with why not the rest."""
 
     dtypes: frozenset[str]
-    float8: bool
+    kv_cache_dtypes: frozenset[str | None]
     why_not: dict[str, Refusal]
 
     @classmethod
@@ -101,11 +107,17 @@ class Hardware:
         bfloat16 = bfloat16_refusal(target)
         if bfloat16 is not None:
             why_not["dtype"] = Refusal(bfloat16, "dtype", hint=f"use --dtype f16 for {target.name}")
+            why_not["kv_cache_dtype=bf16"] = Refusal(
+                bfloat16, "kv_cache_dtype", hint=f"use --kv-cache-dtype f16 for {target.name}"
+            )
         float8 = float8_kv_cache_refusal(target)
         if float8 is not None:
-            why_not["kv_cache_dtype"] = Refusal(float8, "kv_cache_dtype", hint=FLOAT8_HINT)
+            why_not[f"kv_cache_dtype={FLOAT8_KV_CACHE}"] = Refusal(float8, "kv_cache_dtype", hint=FLOAT8_HINT)
         dtypes = frozenset({"f32", "f16"} if bfloat16 is not None else {"f32", "f16", "bf16"})
-        return cls(dtypes, float8 is None, why_not)
+        kv_cache_dtypes = frozenset(
+            {None, "f32", "f16"} | dtypes | ({FLOAT8_KV_CACHE} if float8 is None else set())
+        )
+        return cls(dtypes, kv_cache_dtypes, why_not)
 
 
 def integer_dot_refusal(where: str) -> Refusal:

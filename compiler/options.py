@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.backends.base import FLOAT8_KV_CACHE
+from kiln.backends.base import FLOAT8_KV_CACHE, KV_CACHE_DTYPES
 from kiln.backends.registry import BACKEND_NAMES
 from kiln.errors import UsageError
 from kiln.passes.base import DTYPES, QUANTIZATIONS
@@ -95,9 +95,10 @@ class ModelOptions:
     kv_cache_dtype: str = field(
         default=AUTO,
         metadata=Flag(
-            "auto (default): the float dtype; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at "
-            "compile time (TVM backend; CPUs and sm_89+)",
-            choices=(AUTO, *KV_CACHE_ALIASES, FLOAT8_KV_CACHE),
+            "auto (default): f16 for TVM on CPUs with f32 activations, else the float dtype; f32, f16, "
+            "bf16; fp8 / fp8_e4m3: float8 with per-layer scales calibrated at compile time (TVM backend; "
+            "CPUs and sm_89+)",
+            choices=(AUTO, *KV_CACHE_ALIASES, *KV_CACHE_DTYPES),
             compiled=True,
         ).metadata,
     )

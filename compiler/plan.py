@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.backends.base import FLOAT8_KV_CACHE, BuildRequest
+from kiln.backends.base import BuildRequest
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import CUDA_ARCHS, Target, TargetError, host_gpu_arch, host_machine, parse_targets
 from kiln.build import PipelineOptions
@@ -18,13 +18,15 @@ from kiln.frontend.load import holds_gguf_blocks
 from kiln.runtime.artifact import read_manifest
 
 DEFAULT_DTYPE = "f32"
+CPU_KV_CACHE_DTYPE = "f16"  # auto's KV cache for TVM on CPUs with float32 activations
 DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
 
 
 @dataclass(frozen=True)
 class Plan:
     """A model to compile: the options as asked, and every choice `auto` left open, made.
-    `kv_cache_dtype`: None (the float dtype) or float8; `quantization`: None for float weights."""
+    `kv_cache_dtype`: None (the float dtype) or another (KV_CACHE_DTYPES); `quantization`: None for float
+    weights."""
 
     options: ModelOptions
     backend: str
@@ -82,12 +84,22 @@ def resolve(options: ModelOptions) -> Plan:
         reason=reason,
         quantization=None if quantization == "none" else quantization,
         dtype=dtype,
-        kv_cache_dtype=FLOAT8_KV_CACHE if options.kv_cache_dtype == FLOAT8_KV_CACHE else None,
+        kv_cache_dtype=_kv_cache_dtype(options.kv_cache_dtype, backend, targets, dtype),
         activation_bits=options.activation_bits or DEFAULT_ACTIVATION_BITS,
         tensor_parallel_size=world,
     )
     _refuse_what_cannot_build(plan)
     return plan
+
+
+def _kv_cache_dtype(asked: str, backend: str, targets: tuple[Target, ...], dtype: str) -> str | None:
+    """The KV cache's dtype, None where it is the float dtype. auto: float16 for TVM's CPU kernels with
+    float32 activations (half the bytes each decoded token reads, as fast, greedy tokens as a float32
+    cache: docs/benchmarks.md), else the float dtype."""
+    if asked == AUTO:
+        on_cpu = backend == "tvm" and all(target.kind == "cpu" for target in targets)
+        asked = CPU_KV_CACHE_DTYPE if on_cpu and dtype == "f32" else dtype
+    return None if asked == dtype else asked
 
 
 def _backend_and_targets(backend: str, target: str | None, world: int) -> tuple[str, tuple[Target, ...], str]:
@@ -133,7 +145,7 @@ def check_artifact_options(folder: Path, options: ModelOptions) -> None:
     held_options = {**_OLDER_MANIFESTS, **manifest["compile"]}
     backends = sorted({entry["backend"] for entry in manifest["targets"].values()})
     for name, value in options.asked().items():
-        held = backends if name == "backend" else [_as_asked(held_options.get(name))]
+        held = backends if name == "backend" else [_as_asked(name, held_options)]
         if value not in held:
             flag = flag_name(name)
             raise OptionsError(
@@ -146,6 +158,10 @@ def check_artifact_options(folder: Path, options: ModelOptions) -> None:
 _OLDER_MANIFESTS = {"activation_bits": DEFAULT_ACTIVATION_BITS, "tensor_parallel_size": 1}
 
 
-def _as_asked(held: Any) -> Any:
-    """A manifest's value as an option would ask for it (float weights: none; the float KV cache: auto)."""
+def _as_asked(name: str, held_options: dict[str, Any]) -> Any:
+    """A manifest's value as an option would ask for it (float weights: none; a KV cache in the float
+    dtype: that dtype)."""
+    held = held_options.get(name)
+    if name == "kv_cache_dtype" and held is None:
+        return held_options.get("dtype", DEFAULT_DTYPE)
     return "none" if held is None else held

@@ -11,7 +11,7 @@ from kiln.ir.gguf_blocks import QuantizedTensor
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 DTYPES = ("f32", "f16", "bf16")
-KV_CACHE_DTYPES = (None, "fp8_e4m3")  # None: the model's float dtype
+KV_CACHE_DTYPES = (None, "f32", "f16", "bf16", "fp8_e4m3")  # None: the model's float dtype
 
 
 class PassError(KilnError):
@@ -27,7 +27,7 @@ class PassOptions:
     gguf_blocks: param name → its GGUF blocks (ir/gguf_blocks.py), read when imported.
     quantize_lm_head: also quantize the LM head (int8 and int4 never quantize the embedding, a gather;
     gguf gathers from the table's blocks when the program is float32).
-    kv_cache_dtype: None (the model's float dtype) or "fp8_e4m3" (kv_cache.py).
+    kv_cache_dtype: None (the model's float dtype), "f32", "f16", "bf16" or "fp8_e4m3" (kv_cache.py).
     """
 
     quantization: str | None = None
@@ -50,7 +50,7 @@ class PassOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise PassError(
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}",
-                hint="choose fp8_e4m3, or None for the model's float dtype",
+                hint="choose f32, f16, bf16 or fp8_e4m3, or None for the model's float dtype",
             )
 
 

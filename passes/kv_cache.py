@@ -1,5 +1,6 @@
-"""A float8 (e4m3) KV cache: the cache input becomes float8 and each attention layer gets per-tensor
-scales for its keys and values, calibrated by running the program once.
+"""The KV cache's storage dtype when it is not the activations': float16 or bfloat16 (a cast on write,
+back to float32 on read), or float8 e4m3, where each attention layer also gets per-tensor scales for its
+keys and values, calibrated by running the program once.
 
 Calibration: the reference interpreter runs one prefill of CALIBRATION_SEQUENCES seeded random token
 sequences with the program's own cache dtype; each layer's largest |K| and |V| in the cache, times
@@ -25,6 +26,8 @@ CALIBRATION_SEQUENCES = 2
 CALIBRATION_TOKENS = 48  # a sequence
 CALIBRATION_SEED = 0
 BLOCK_SIZE = 16
+# --kv-cache-dtype → the cache input's dtype
+IR_DTYPES = {"f32": "f32", "f16": "f16", "bf16": "bf16", "fp8_e4m3": "f8e4m3"}
 
 
 def _zero_cache(graph: Graph, num_blocks: int) -> torch.Tensor:
@@ -74,22 +77,23 @@ def calibrated_scales(program: Program) -> dict[int, tuple[float, float]]:
     return scales
 
 
-def fp8_kv_cache(program: Program, options: PassOptions) -> tuple[Program, bool]:
-    if options.kv_cache_dtype != "fp8_e4m3":
-        return program, False
-    scales = calibrated_scales(program)
+def kv_cache_dtype(program: Program, options: PassOptions) -> tuple[Program, bool]:
     graph = program.graph
+    cache_dtype = IR_DTYPES.get(options.kv_cache_dtype or "")
+    if cache_dtype is None or graph.input(KV_CACHE_INPUT).type.dtype == cache_dtype:
+        return program, False
+    scales = calibrated_scales(program) if cache_dtype == "f8e4m3" else {}
     builder = GraphBuilder(graph.name)
     mapping: dict[str, Value] = {}
     for value in graph.inputs:
-        type_ = TensorType("f8e4m3", value.type.shape) if value.name == KV_CACHE_INPUT else value.type
+        type_ = TensorType(cache_dtype, value.type.shape) if value.name == KV_CACHE_INPUT else value.type
         mapping[value.name] = builder.input(value.name, type_)
     for param in graph.params:
         mapping[param.name] = builder.param(param.name, param.type)
     for node in graph.nodes:
         inputs = [mapping[v.name] if v is not None else None for v in node.inputs]
         attrs = dict(node.attrs)
-        if node.op == "paged_attention":
+        if node.op == "paged_attention" and scales:
             attrs["kv_scale"] = list(scales[int(attrs["layer"])])
         outputs = builder.op(node.op, inputs, attrs=attrs, source=node.source)
         mapping.update({old.name: new for old, new in zip(node.outputs, outputs, strict=True)})
@@ -97,4 +101,8 @@ def fp8_kv_cache(program: Program, options: PassOptions) -> tuple[Program, bool]
     return Program(new_graph, program.weights), True
 
 
-FP8_KV_CACHE = Pass("fp8_kv_cache", fp8_kv_cache, "float8 e4m3 KV cache with calibrated per-layer scales")
+KV_CACHE_DTYPE = Pass(
+    "kv_cache_dtype",
+    kv_cache_dtype,
+    "the KV cache stored as float16, bfloat16, or float8 e4m3 with calibrated per-layer scales",
+)

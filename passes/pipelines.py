@@ -19,7 +19,7 @@ from kiln.passes.fusion.logits_rows import PUSH_TAKE_ROWS
 from kiln.passes.fusion.parallel_linears import FUSE_PARALLEL_LINEARS
 from kiln.passes.fusion.rope_attention import FUSE_ROPE_ATTENTION
 from kiln.passes.fusion.swiglu import FUSE_SWIGLU
-from kiln.passes.kv_cache import FP8_KV_CACHE
+from kiln.passes.kv_cache import KV_CACHE_DTYPE
 from kiln.passes.quantize.swap import QUANTIZE_LINEARS
 
 CLEANUP = fixed_point("cleanup", [CANONICALIZE, FOLD_CONSTANTS, CSE, DCE])
@@ -55,7 +55,7 @@ PASSES: dict[str, Pass] = {
         FUSE_ADD_RMS_NORM,
         QUANTIZE_LINEARS,
         CONVERT_DTYPE,
-        FP8_KV_CACHE,
+        KV_CACHE_DTYPE,
     )
 }
 
@@ -68,8 +68,8 @@ def pipeline(opt_level: int, options: PassOptions) -> list[Pass]:
         passes.insert(0, QUANTIZE_LINEARS)
     if options.dtype != "f32":
         passes.append(CONVERT_DTYPE)
-    if options.kv_cache_dtype == "fp8_e4m3":
-        passes.append(FP8_KV_CACHE)
+    if options.kv_cache_dtype is not None:
+        passes.append(KV_CACHE_DTYPE)
     return passes
 
 

@@ -96,7 +96,7 @@ def test_compiling_twice_gives_identical_files(
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1, got 0"),
         (
             ["--backend", "onnxruntime", "--kv-cache-dtype", "fp8"],
-            "a float8 KV cache runs on tvm and reference, not onnxruntime",
+            "(--kv-cache-dtype f16, bf16, fp8) runs on tvm and reference, not onnxruntime",
         ),
         (["--target", "cuda:sm_87", "--kv-cache-dtype", "fp8"], "(sm_89 Ada and newer); cuda:sm_87 has none"),
         (

@@ -7,9 +7,9 @@ from kiln.backends.targets import Target
 
 
 def onnx_capabilities(backend: str, target: Target, unavailable: str | None) -> Capabilities:
-    """The dtypes `target`'s hardware computes in; no float8 paged attention, no collective ops (the CPU
-    build has no all-reduce, and cutting the graph at every collective would make two sessions a layer
-    with a host round trip between them), 16-bit activations."""
+    """The dtypes `target`'s hardware computes in; a KV cache in the model's dtype only; no collective
+    ops (the CPU build has no all-reduce, and cutting the graph at every collective would make two
+    sessions a layer with a host round trip between them), 16-bit activations."""
     hardware = Hardware.of(target)
     return Capabilities(
         unavailable=Refusal(unavailable) if unavailable is not None else None,
@@ -17,7 +17,8 @@ def onnx_capabilities(backend: str, target: Target, unavailable: str | None) -> 
         why_not={
             **hardware.why_not,
             "kv_cache_dtype": Refusal(
-                f"a float8 KV cache runs on tvm and reference, not {backend}",
+                f"a KV cache in another dtype than the model's (--kv-cache-dtype f16, bf16, fp8) runs on tvm "
+                f"and reference, not {backend}",
                 "kv_cache_dtype",
                 hint="use --backend tvm, or drop --kv-cache-dtype",
             ),

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends.base import (
+    KV_CACHE_DTYPES,
     BackendError,
     Capabilities,
     CompiledCode,
@@ -40,7 +41,7 @@ class ReferenceBackend:
             )
         return Capabilities(
             unavailable=unavailable,
-            float8_kv_cache=True,
+            kv_cache_dtypes=frozenset({None, *KV_CACHE_DTYPES}),
             tensor_parallel=True,
             why_not={"activation_bits": integer_dot_refusal("backend reference")},
         )

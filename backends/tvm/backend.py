@@ -54,15 +54,15 @@ class TVMBackend:
         return f"tvm-{tvm_version()}"
 
     def capabilities(self, target: Target) -> Capabilities:
-        """Every quantization and dtype the hardware computes in; a float8 KV cache where it converts
-        float8; 8-bit activations and tensor-parallel ranks on CPUs."""
+        """Every quantization and dtype the hardware computes in; a KV cache in any of those dtypes, and
+        float8 where it converts float8; 8-bit activations and tensor-parallel ranks on CPUs."""
         hardware = Hardware.of(target)
         unavailable = self._unavailable(target)
         on_cpu = target.kind == "cpu"
         return Capabilities(
             unavailable=Refusal(unavailable) if unavailable is not None else None,
             dtypes=hardware.dtypes,
-            float8_kv_cache=hardware.float8,
+            kv_cache_dtypes=hardware.kv_cache_dtypes,
             activation_bits=frozenset({16, 8} if on_cpu else {16}),
             tensor_parallel=on_cpu,
             why_not={

@@ -14,6 +14,8 @@ from kiln.backends.tvm.lowering_registry import lowering
 from kiln.ir import KV_CACHE_INPUT, Node, TensorType
 from kiln.ir.ops.attention import rope_inv_freq
 
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+
 
 def _rope_call(
     lw: Lowerer, x: relax.Expr, x_type: TensorType, positions: relax.Expr, attrs: dict
@@ -55,8 +57,11 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     assert cache_type is not None
     dtype = TVM_DTYPES[q_value.type.dtype]
     cache_dtype = TVM_DTYPES[cache_type.dtype]
-    if cache_dtype not in (dtype, FP8):
-        raise BackendError(f"tvm: paged_attention needs the cache in q's dtype or float8: {node.describe()}")
+    if cache_dtype not in (*CACHE_DTYPES, FP8):
+        raise BackendError(
+            f"tvm: paged_attention stores its cache as float32, float16, bfloat16 or float8, not "
+            f"{cache_dtype}: {node.describe()}"
+        )
     layer = relax.prim_value(tirx.IntImm("int64", int(node.attrs["layer"])))
     key_scale, value_scale = (
         relax.prim_value(tirx.FloatImm("float32", float(s))) for s in node.attrs.get("kv_scale", (1.0, 1.0))

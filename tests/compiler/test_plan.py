@@ -18,12 +18,8 @@ def test_auto_picks_tvm_for_this_cpu_and_names_the_reason(smollm2_gguf_path: Pat
     if host_gpu_arch() is None:
         assert (plan.backend, [t.name for t in plan.targets]) == ("tvm", ["cpu"])
         assert "no NVIDIA GPU" in plan.reason
-    assert (plan.dtype, plan.kv_cache_dtype, plan.activation_bits, plan.tensor_parallel_size) == (
-        "f32",
-        None,
-        16,
-        1,
-    )
+    assert (plan.dtype, plan.activation_bits, plan.tensor_parallel_size) == ("f32", 16, 1)
+    assert plan.kv_cache_dtype == ("f16" if plan.targets[0].kind == "cpu" else None)
     assert resolve(ModelOptions(model, backend="reference")).backend == "reference"
     assert [t.name for t in resolve(ModelOptions(model, target="cpu:znver3")).targets] == ["cpu:znver3"]
     assert [t.name for t in resolve(ModelOptions(model, tensor_parallel_size=2)).targets] == ["cpu"]
@@ -55,6 +51,35 @@ def test_the_compiled_options_are_recorded_decided(tiny_hf_dir: Path) -> None:
     assert (pipeline.quantization, pipeline.kv_cache_dtype, pipeline.context_len) == (None, "fp8_e4m3", 64)
 
 
+def test_the_kv_cache_is_float16_for_tvm_cpu_kernels_and_the_float_dtype_elsewhere(
+    smollm2_gguf_path: Path,
+) -> None:
+    model = str(smollm2_gguf_path)
+
+    def kv_cache_dtype(**options: object) -> str | None:
+        return resolve(ModelOptions(model, **options)).kv_cache_dtype  # type: ignore[arg-type]
+
+    assert kv_cache_dtype(target="cpu") == "f16"
+    assert kv_cache_dtype(target="cpu", kv_cache_dtype="f32") is None  # the float dtype: no cast
+    assert kv_cache_dtype(target="cpu", kv_cache_dtype="bf16") == "bf16"
+    assert kv_cache_dtype(target="cpu", dtype="f16") is None
+    assert kv_cache_dtype(target="cpu", dtype="f16", kv_cache_dtype="f32") == "f32"
+    assert kv_cache_dtype(backend="reference") is None
+    assert kv_cache_dtype(backend="onnxruntime") is None
+    with pytest.raises(OptionsError, match="not onnxruntime") as refused:
+        resolve(ModelOptions(model, backend="onnxruntime", kv_cache_dtype="f16"))
+    assert refused.value.hint == "use --backend tvm, or drop --kv-cache-dtype"
+
+
+def test_a_gpu_without_bfloat16_refuses_a_bfloat16_cache_naming_it() -> None:
+    from kiln.backends.base import Hardware
+
+    turing = Hardware.of(Target("cuda", "sm_75", "x86_64"))
+    assert "bf16" not in turing.kv_cache_dtypes and "f16" in turing.kv_cache_dtypes
+    assert "sm_75" in turing.why_not["kv_cache_dtype=bf16"].reason
+    assert turing.why_not["kv_cache_dtype=bf16"].hint == "use --kv-cache-dtype f16 for cuda:sm_75"
+
+
 def test_eight_bit_activations_are_refused_off_the_tvm_cpu_kernels(smollm2_gguf_path: Path) -> None:
     with pytest.raises(OptionsError, match="CPU integer-dot kernels, not backend onnxruntime"):
         resolve(ModelOptions(str(smollm2_gguf_path), backend="onnxruntime", activation_bits=8))
@@ -70,6 +95,8 @@ def test_every_backend_declares_what_it_builds_for_the_cpu(name: str) -> None:
         assert capabilities.refusal(plain) is None
     float8 = BuildRequest(None, "f32", "fp8_e4m3", 16, 1)
     refusal = capabilities.refusal(float8)
-    assert (refusal is None) == (capabilities.float8_kv_cache and capabilities.unavailable is None)
+    assert (refusal is None) == (
+        "fp8_e4m3" in capabilities.kv_cache_dtypes and capabilities.unavailable is None
+    )
     if refusal is not None and capabilities.unavailable is None:
         assert refusal.option == "kv_cache_dtype" and refusal.hint

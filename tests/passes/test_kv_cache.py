@@ -1,4 +1,5 @@
-"""fp8_kv_cache: a float8 e4m3 cache with per-layer scales calibrated by running the program once."""
+"""kv_cache_dtype: a float16 or bfloat16 cache (a cast), or float8 e4m3 with per-layer scales calibrated by
+running the program once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kiln.passes.kv_cache import (
     CALIBRATION_SEQUENCES,
     CALIBRATION_TOKENS,
     HEADROOM,
-    fp8_kv_cache,
+    kv_cache_dtype,
 )
 
 TINY = {
@@ -75,7 +76,8 @@ def test_the_cache_becomes_float8_with_each_layers_calibrated_scales() -> None:
         layer = node.attrs["layer"]
         expected = [float(cache[layer, kind].abs().max()) * HEADROOM / FP8_MAX for kind in (0, 1)]
         assert node.attrs["kv_scale"] == pytest.approx(expected, rel=1e-6)
-    assert fp8_kv_cache(plain, PassOptions())[1] is False  # only when asked
+    assert kv_cache_dtype(plain, PassOptions())[1] is False  # only when asked
+    assert kv_cache_dtype(plain, PassOptions(kv_cache_dtype="f32"))[1] is False  # already float32
 
 
 def test_float8_logits_stay_near_the_float32_caches() -> None:
@@ -93,6 +95,27 @@ def test_float8_logits_stay_near_the_float32_caches() -> None:
         assert cache.dtype == (torch.float8_e4m3fn if program is fp8 else torch.float32)
     for ours, theirs in zip(runs[1], runs[0], strict=True):
         assert float((ours - theirs).abs().max() / theirs.abs().max()) < FP8_TOLERANCE
+
+
+@pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
+def test_a_sixteen_bit_cache_is_a_cast_with_no_scales(cache_dtype: str) -> None:
+    plain, narrow = _program(), _program(cache_dtype)
+    assert narrow.graph.input(KV_CACHE_INPUT).type.dtype == cache_dtype
+    assert all("kv_scale" not in node.attrs for node in narrow.graph.nodes if node.op == "paged_attention")
+    prompt = torch.randint(1, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    steps = [
+        build_step_inputs([SequenceSlice(prompt, 0, [1, 2, 3])], 16),
+        build_step_inputs([SequenceSlice([7], 40, [1, 2, 3])], 16),
+    ]
+    runs = []
+    for program in (plain, narrow):
+        executable = ReferenceExecutable(program.graph, program.weights)
+        cache = executable.kv_cache_spec.allocate(4, 16)
+        runs.append([executable.step(inputs, cache) for inputs in steps])
+    # a rounding of K and V to 11 (float16) or 8 (bfloat16) significant bits
+    tolerance = {"f16": 2e-3, "bf16": 2e-2}[cache_dtype]
+    for ours, theirs in zip(runs[1], runs[0], strict=True):
+        assert float((ours - theirs).abs().max() / theirs.abs().max()) < tolerance
 
 
 def test_values_past_the_range_saturate_instead_of_turning_to_nan() -> None:

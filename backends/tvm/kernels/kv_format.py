@@ -1,5 +1,6 @@
-"""How the attention kernels store K/V in the cache and read it back: as the activations' dtype, or
-float8 e4m3 with a per-tensor scale (the semantics of ir/ops/attention.py `to_cache` / `from_cache`).
+"""How the attention kernels store K/V in the cache and read it back: as a float dtype (the activations',
+or a narrower one: a cast each way), or float8 e4m3 with a per-tensor scale (the semantics of
+ir/ops/attention.py `to_cache` / `from_cache`).
 
 On CPUs float8 is converted here, bit by bit: TVM 0.27's LLVM lowering of float8_e4m3fn casts gets
 subnormals wrong both ways (2^-9 read back as 0.0088, 3 * 2^-9 stored as 0). CUDA's conversion
@@ -22,9 +23,9 @@ EXPONENT_SHIFT = (127 - 7) << 3  # float32 minus float8 exponent bias, in the fl
 
 def stored(value: Expr, cache_dtype: str, scale: Expr, native: bool = False) -> Expr:
     """A K or V element as the cache holds it: value / scale saturated to +-448 for float8, rounded to
-    nearest, ties to even."""
+    nearest, ties to even (a plain cast to the other float dtypes)."""
     if cache_dtype != FP8:
-        return value
+        return T.Cast(cache_dtype, value)
     scaled = T.max(T.min(T.Cast("float32", value) / scale, T.float32(FP8_MAX)), T.float32(-FP8_MAX))
     if native:
         return T.Cast(FP8, scaled)

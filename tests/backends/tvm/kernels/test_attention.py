@@ -26,7 +26,7 @@ SCALE = 0.125
 # (heads, kv_heads, head_dim): SmolLM2, Qwen2.5-0.5B, Gemma 3 270M's shape; a small head
 SHAPES = ((9, 3, 64), (14, 2, 64), (4, 1, 256), (6, 6, 16))
 # float32 sums in another order and a polynomial exp (2 ulp): close to the reference, not equal
-TOLERANCE = {"float32": 2e-5, "float8_e4m3fn": 2e-5}
+TOLERANCE = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "float8_e4m3fn": 2e-5}
 FP8 = "float8_e4m3fn"
 
 
@@ -83,7 +83,7 @@ def _reference(q, cache, tables, contexts, row_counts, window) -> np.ndarray:
     ).numpy()  # fmt: skip
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", FP8])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", FP8])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference_on_a_mixed_batch(shape, window, cache_dtype):
