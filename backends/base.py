@@ -31,13 +31,12 @@ class DeviceRequiredError(BackendError):
 
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4", "gguf")  # None: float weights
 FLOAT8_KV_CACHE = "fp8_e4m3"
-KV_CACHE_DTYPES = ("f32", "f16", "bf16", FLOAT8_KV_CACHE)  # a cache in another dtype than the model's
 
 
 @dataclass(frozen=True)
 class BuildRequest:
     """What a plan asks one backend to build for one target, every choice made. `kv_cache_dtype`: None
-    (the float dtype) or one of KV_CACHE_DTYPES."""
+    (the float dtype) or one of kiln.passes.base.KV_CACHE_DTYPES."""
 
     quantization: str | None
     dtype: str
@@ -114,9 +113,7 @@ class Hardware:
         if float8 is not None:
             why_not[f"kv_cache_dtype={FLOAT8_KV_CACHE}"] = Refusal(float8, "kv_cache_dtype", hint=FLOAT8_HINT)
         dtypes = frozenset({"f32", "f16"} if bfloat16 is not None else {"f32", "f16", "bf16"})
-        kv_cache_dtypes = frozenset(
-            {None, "f32", "f16"} | dtypes | ({FLOAT8_KV_CACHE} if float8 is None else set())
-        )
+        kv_cache_dtypes = frozenset({None, *dtypes} | ({FLOAT8_KV_CACHE} if float8 is None else set()))
         return cls(dtypes, kv_cache_dtypes, why_not)
 
 

@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.backends.base import FLOAT8_KV_CACHE, KV_CACHE_DTYPES
+from kiln.backends.base import FLOAT8_KV_CACHE
 from kiln.backends.registry import BACKEND_NAMES
 from kiln.errors import UsageError
-from kiln.passes.base import DTYPES, QUANTIZATIONS
+from kiln.passes.base import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from kiln.runtime.speculative import SpeculativeConfig
 
 AUTO = "auto"

@@ -25,8 +25,8 @@ DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option
 @dataclass(frozen=True)
 class Plan:
     """A model to compile: the options as asked, and every choice `auto` left open, made.
-    `kv_cache_dtype`: None (the float dtype) or another (KV_CACHE_DTYPES); `quantization`: None for float
-    weights."""
+    `kv_cache_dtype`: None (the float dtype) or another (passes.base.KV_CACHE_DTYPES); `quantization`:
+    None for float weights."""
 
     options: ModelOptions
     backend: str

@@ -11,7 +11,9 @@ from kiln.ir.gguf_blocks import QuantizedTensor
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 DTYPES = ("f32", "f16", "bf16")
-KV_CACHE_DTYPES = (None, "f32", "f16", "bf16", "fp8_e4m3")  # None: the model's float dtype
+# --kv-cache-dtype → the cache input's IR dtype (None, beside these: the model's float dtype)
+KV_CACHE_STORAGE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "fp8_e4m3": "f8e4m3"}
+KV_CACHE_DTYPES = tuple(KV_CACHE_STORAGE)
 
 
 class PassError(KilnError):
@@ -47,7 +49,7 @@ class PassOptions:
             raise PassError(f"group_size {self.group_size} is not supported", hint="choose 32, 64 or 128")
         if self.dtype not in DTYPES:
             raise PassError(f"unknown dtype {self.dtype!r}", hint=f"choose one of {', '.join(DTYPES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise PassError(
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}",
                 hint="choose f32, f16, bf16 or fp8_e4m3, or None for the model's float dtype",

@@ -19,15 +19,13 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.interpreter import check_weights, interpret
 from kiln.ir.ops.attention import FP8_MAX
 from kiln.ir.step import SequenceSlice, build_step_inputs
-from kiln.passes.base import Pass, PassError, PassOptions
+from kiln.passes.base import KV_CACHE_STORAGE, Pass, PassError, PassOptions
 
 HEADROOM = 4.0
 CALIBRATION_SEQUENCES = 2
 CALIBRATION_TOKENS = 48  # a sequence
 CALIBRATION_SEED = 0
 BLOCK_SIZE = 16
-# --kv-cache-dtype → the cache input's dtype
-IR_DTYPES = {"f32": "f32", "f16": "f16", "bf16": "bf16", "fp8_e4m3": "f8e4m3"}
 
 
 def _zero_cache(graph: Graph, num_blocks: int) -> torch.Tensor:
@@ -79,7 +77,7 @@ def calibrated_scales(program: Program) -> dict[int, tuple[float, float]]:
 
 def kv_cache_dtype(program: Program, options: PassOptions) -> tuple[Program, bool]:
     graph = program.graph
-    cache_dtype = IR_DTYPES.get(options.kv_cache_dtype or "")
+    cache_dtype = KV_CACHE_STORAGE.get(options.kv_cache_dtype or "")
     if cache_dtype is None or graph.input(KV_CACHE_INPUT).type.dtype == cache_dtype:
         return program, False
     scales = calibrated_scales(program) if cache_dtype == "f8e4m3" else {}

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from kiln.backends.base import (
-    KV_CACHE_DTYPES,
     BackendError,
     Capabilities,
     CompiledCode,
@@ -20,6 +19,7 @@ from kiln.backends.base import (
 from kiln.backends.reference.executable import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Program, graph_from_json, graph_to_json
+from kiln.passes.base import KV_CACHE_DTYPES
 
 GRAPH_FILE = "graph.json"
 

@@ -80,42 +80,45 @@ def test_the_cache_becomes_float8_with_each_layers_calibrated_scales() -> None:
     assert kv_cache_dtype(plain, PassOptions(kv_cache_dtype="f32"))[1] is False  # already float32
 
 
-def test_float8_logits_stay_near_the_float32_caches() -> None:
-    plain, fp8 = _program(), _program("fp8_e4m3")
-    prompt = torch.randint(1, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(9)).tolist()
+def _errors_against_a_float32_cache(narrow: Program, seed: int) -> tuple[list[float], list[torch.dtype]]:
+    """A 40-token prefill and one decode step with `narrow` and with the float32-cache program: each
+    step's max |logits difference| / max |logits|, and the two caches' dtypes (float32's first)."""
+    prompt = torch.randint(
+        1, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     steps = [
         build_step_inputs([SequenceSlice(prompt, 0, [1, 2, 3])], 16),
         build_step_inputs([SequenceSlice([7], 40, [1, 2, 3])], 16),
     ]
-    runs = []
-    for program in (plain, fp8):
+    runs, cache_dtypes = [], []
+    for program in (_program(), narrow):
         executable = ReferenceExecutable(program.graph, program.weights)
         cache = executable.kv_cache_spec.allocate(4, 16)
         runs.append([executable.step(inputs, cache) for inputs in steps])
-        assert cache.dtype == (torch.float8_e4m3fn if program is fp8 else torch.float32)
-    for ours, theirs in zip(runs[1], runs[0], strict=True):
-        assert float((ours - theirs).abs().max() / theirs.abs().max()) < FP8_TOLERANCE
+        cache_dtypes.append(cache.dtype)
+    float32_logits, narrow_logits = runs
+    errors = [
+        float((ours - theirs).abs().max() / theirs.abs().max())
+        for ours, theirs in zip(narrow_logits, float32_logits, strict=True)
+    ]
+    return errors, cache_dtypes
+
+
+def test_float8_logits_stay_near_the_float32_caches() -> None:
+    errors, cache_dtypes = _errors_against_a_float32_cache(_program("fp8_e4m3"), seed=9)
+    assert cache_dtypes == [torch.float32, torch.float8_e4m3fn]
+    assert all(error < FP8_TOLERANCE for error in errors), errors
 
 
 @pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
 def test_a_sixteen_bit_cache_is_a_cast_with_no_scales(cache_dtype: str) -> None:
-    plain, narrow = _program(), _program(cache_dtype)
+    narrow = _program(cache_dtype)
     assert narrow.graph.input(KV_CACHE_INPUT).type.dtype == cache_dtype
     assert all("kv_scale" not in node.attrs for node in narrow.graph.nodes if node.op == "paged_attention")
-    prompt = torch.randint(1, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    steps = [
-        build_step_inputs([SequenceSlice(prompt, 0, [1, 2, 3])], 16),
-        build_step_inputs([SequenceSlice([7], 40, [1, 2, 3])], 16),
-    ]
-    runs = []
-    for program in (plain, narrow):
-        executable = ReferenceExecutable(program.graph, program.weights)
-        cache = executable.kv_cache_spec.allocate(4, 16)
-        runs.append([executable.step(inputs, cache) for inputs in steps])
+    errors, _ = _errors_against_a_float32_cache(narrow, seed=5)
     # a rounding of K and V to 11 (float16) or 8 (bfloat16) significant bits
     tolerance = {"f16": 2e-3, "bf16": 2e-2}[cache_dtype]
-    for ours, theirs in zip(runs[1], runs[0], strict=True):
-        assert float((ours - theirs).abs().max() / theirs.abs().max()) < tolerance
+    assert all(error < tolerance for error in errors), errors
 
 
 def test_values_past_the_range_saturate_instead_of_turning_to_nan() -> None:
