@@ -35,9 +35,21 @@ def is_valid_mcpu(mcpu: str, triple: str) -> bool:
 
 def llvm_target(target: Target, num_threads: int | None = None) -> tvm.target.Target:
     cores = num_threads or os.cpu_count() or 1
-    return tvm.target.Target(
-        {"kind": "llvm", "mtriple": target.triple, "mcpu": target_mcpu(target), "num-cores": cores}
-    )
+    description = {"kind": "llvm", "mtriple": target.triple, "mcpu": target_mcpu(target), "num-cores": cores}
+    if target.detail is None and target.machine == host_machine():
+        description["mattr"] = host_mattr()
+    return tvm.target.Target(description)
+
+
+def host_mattr() -> list[str]:
+    """AMX on this host exactly when Linux grants the process its tile data: a VM may report an older
+    model, whose LLVM name lacks AMX, and a kernel may refuse AMX on a CPU whose name has it."""
+    from kiln.backends.tvm.cpu_features import enable_amx
+
+    if host_machine() != "x86_64":
+        return []
+    sign = "+" if enable_amx() else "-"
+    return [f"{sign}amx-tile", f"{sign}amx-int8"]
 
 
 def export(executable: relax.VMExecutable, path: str, target: Target) -> None:

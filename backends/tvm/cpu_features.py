@@ -21,6 +21,8 @@ X86_64_FEATURES = {
     "avx512vl": "avx512vl",
     "avx512_vnni": "avx512vnni",
     "avx_vnni": "avxvnni",
+    "amx_tile": "amx-tile",
+    "amx_int8": "amx-int8",
 }
 AARCH64_FEATURES = {
     "asimd": "neon",
@@ -71,8 +73,27 @@ def host_flags() -> set[str]:
     return set()
 
 
+# Linux keeps AMX's tile data off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA); a VM
+# may report amx_tile in /proc/cpuinfo and still refuse.
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def enable_amx() -> bool:
+    """Ask the kernel for AMX tile data for this process; True when granted (x86-64 Linux with AMX)."""
+    if host_machine() != "x86_64" or "amx_tile" not in host_flags():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
 def missing_features(required: list[str]) -> list[str]:
     flags = host_flags()
     if not flags:  # not Linux, or unreadable: nothing to compare against
         return []
-    return [feature for feature in required if feature not in flags]
+    missing = [feature for feature in required if feature not in flags]
+    if "amx_tile" in required and "amx_tile" not in missing and not enable_amx():
+        missing.append("amx_tile (reported, but the kernel does not enable its tile data)")
+    return missing

@@ -79,6 +79,7 @@ class Isa:
     vectors: int  # vectors of columns per strip: 4 rows x vectors accumulators stay in registers
     unsigned_int8: bool  # True: int8 weights as q + 128 then a -128 * sum(xq) correction (VNNI)
     word_dot: bool = False  # 16-bit activations as int16 words against int16 weights (vpmaddwd)
+    tiles: bool = False  # AMX: blocks of 16 rows through tile registers (tdpbsud), the rest as vnni512
 
     @property
     def bytes(self) -> int:
@@ -86,6 +87,7 @@ class Isa:
 
 
 ISAS = {
+    "amx": Isa("amx", 16, 4, True, tiles=True),  # AMX-INT8 beside AVX-512 VNNI (Sapphire Rapids on)
     "vnni512": Isa("vnni512", 16, 4, True),  # 32 zmm registers
     "vnni256": Isa("vnni256", 8, 2, True),  # 16 ymm registers
     "avx2": Isa("avx2", 8, 2, False, word_dot=True),
@@ -96,6 +98,8 @@ ISAS = {
 
 def choose_isa(features: set[str]) -> Isa | None:
     """The variant for an LLVM target's features (`llvm_get_cpu_features` names), None for none."""
+    if {"amx-tile", "amx-int8", "avx512vnni", "avx512bw", "avx512f"} <= features:
+        return ISAS["amx"]
     if {"avx512vnni", "avx512bw", "avx512f"} <= features:
         return ISAS["vnni512"]
     if "avxvnni" in features or {"avx512vnni", "avx512vl"} <= features:
@@ -169,7 +173,7 @@ def _dot_pair(isa: Isa, nibbles: bool) -> DotPair:
     activation groups (each one int32, broadcast to every lane)."""
     lanes, width = isa.lanes, isa.bytes
 
-    if isa.name in ("vnni512", "vnni256"):
+    if isa.name in ("amx", "vnni512", "vnni256"):
         name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
 
         def vnni(acc: Expr, weights: Expr, x4: Expr) -> Expr:
@@ -324,6 +328,10 @@ class IntDotPlan:
     @property
     def vectors(self) -> int:  # vectors of columns a strip
         return self.tile // self.lanes
+
+    @property
+    def tile_vectors(self) -> int:  # AMX: vectors of columns a pass of tiles (a C tile and B tile each)
+        return 2 if self.vectors % 2 == 0 else 1
 
     @property
     def strips(self) -> int:
@@ -1011,6 +1019,261 @@ def _strip_passes(plan: IntDotPlan, jo: Expr, wj: Expr, base: Expr, rows: Expr, 
         )
 
 
+# AMX (Isa.tiles): blocks of TILE_ROWS rows by two vectors of columns through tile registers. Per
+# activation block, tdpbsud multiplies the rows' int8 activations (signed: tile A) by the unsigned weight
+# bytes (tile B, the layout's rows of 4 k by 16 columns as they are) into int32 dots (tile C), one C
+# per activation half and vector; the dots go to memory and through the same epilogue as the VNNI
+# passes'. Nibble planes are unpacked once a strip into rows of bytes for tile B.
+
+TILE_ROWS = 16  # rows of a C tile (and of the activations' A tile)
+# tile registers: C (dots) half * 2 + vector, A (activations) 4 + half, B (weights) 6 + vector
+
+
+def _tile_op(name: str, *args: Expr) -> Expr:
+    return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
+
+
+@T.macro
+def _configure_tiles(plan: IntDotPlan, config: Buffer):
+    # palette 1; C tiles 16 rows of 16 int32, A 16 rows of a block's bytes, B a block's rows of 4 k
+    for i in T.serial(64):
+        config[i] = T.uint8(0)
+    config[0] = T.uint8(1)
+    for t in T.unroll(8):
+        config[16 + 2 * t] = T.if_then_else(t // 2 == 2, T.uint8(plan.block), T.uint8(64))
+        config[48 + t] = T.if_then_else(t >= 6, T.uint8(plan.block // 4), T.uint8(TILE_ROWS))
+    T.evaluate(_tile_op("ldtilecfg", T.address_of(config[0])))
+
+
+@T.macro
+def _unpack_strip(plan: IntDotPlan, w: Buffer, w_high: Buffer, wj: Expr, unpacked: Buffer, scratch: tuple):
+    # nibble planes: the strip's weights as rows of 4 k of unsigned bytes, the byte plane's layout
+    low, high, low_words, high_words = scratch[4], scratch[5], scratch[8], scratch[9]
+    for pair in T.serial(plan.k // 8):
+        _load_pair_weights(plan, w, w_high, wj, pair, pair, 0, plan.vectors, low, high, low_words, high_words)
+        for v in T.unroll(plan.vectors):
+            unpacked[pair * 2, T.ramp(v * plan.width, 1, plan.width)] = low.vload(
+                [v, 0], f"uint8x{plan.width}"
+            )
+            unpacked[pair * 2 + 1, T.ramp(v * plan.width, 1, plan.width)] = high.vload(
+                [v, 0], f"uint8x{plan.width}"
+            )
+
+
+def _weight_tile_row(
+    plan: IntDotPlan, w: Buffer, unpacked: Buffer, wj: Expr, row: Expr, vector: Expr
+) -> Expr:
+    if plan.nibbles:
+        return T.address_of(unpacked[row, vector * plan.width])
+    return T.address_of(w[wj, row, vector * plan.width])
+
+
+@T.macro
+def _tile_block_dots(
+    plan: IntDotPlan,
+    wj: Expr,
+    g: Expr,
+    bi: Expr,
+    row0: Expr,
+    v0: Expr,
+    w: Buffer,
+    unpacked: Buffer,
+    xq: Buffer,
+    dots: Buffer,
+    dots_low: Buffer,
+):
+    # dots (high half), dots_low: TILE_ROWS rows by vectors v0, v0 + 1 of activation block bi of group g
+    for h in T.unroll(plan.halves):
+        T.evaluate(
+            _tile_op(
+                "tileloadd64",
+                T.int8(4 + h),
+                T.address_of(xq[h, row0, _block_index(plan, g, bi) * plan.block]),
+                T.int64(plan.k),
+            )
+        )
+    for v in T.unroll(plan.tile_vectors):
+        T.evaluate(
+            _tile_op(
+                "tileloadd64",
+                T.int8(6 + v),
+                _weight_tile_row(
+                    plan, w, unpacked, wj, _block_index(plan, g, bi) * (plan.block // 4), v0 + v
+                ),
+                T.int64(plan.tile * 4),
+            )
+        )
+    for c in T.unroll(plan.halves * 2):
+        T.evaluate(_tile_op("tilezero", T.int8(c)))
+    for h in T.unroll(plan.halves):
+        for v in T.unroll(plan.tile_vectors):
+            T.evaluate(_tile_op("tdpbsud", T.int8(h * 2 + v), T.int8(4 + h), T.int8(6 + v)))
+    for v in T.unroll(plan.tile_vectors):
+        T.evaluate(
+            _tile_op(
+                "tilestored64",
+                T.int8(v),
+                T.address_of(dots[0, v * plan.lanes]),
+                T.int64(plan.tile_vectors * plan.width),
+            )
+        )
+        if plan.halves == 2:
+            T.evaluate(
+                _tile_op(
+                    "tilestored64",
+                    T.int8(2 + v),
+                    T.address_of(dots_low[0, v * plan.lanes]),
+                    T.int64(plan.tile_vectors * plan.width),
+                )
+            )
+
+
+def _tile_dot(
+    plan: IntDotPlan, dots: Buffer, dots_low: Buffer, xq_sums: Buffer, row: Expr, b: Expr, r: Expr, lane: Expr
+) -> Expr:
+    """The float32 dot of block b, row r, lane: the halves combined, less offset * sum(xq)."""
+    dot = dots[r, lane] * 255 + dots_low[r, lane] if plan.halves == 2 else dots[r, lane]
+    if plan.offset != 0:
+        dot = dot - plan.offset * xq_sums[row, b]
+    return T.Cast("float32", dot)
+
+
+@T.macro
+def _tile_block_into_acc(
+    plan: IntDotPlan,
+    wj: Expr,
+    g: Expr,
+    row0: Expr,
+    v0: Expr,
+    dots: Buffer,
+    dots_low: Buffer,
+    acc: Buffer,
+    activations: tuple,
+    scale_buffers: tuple,
+):
+    # a group of one activation block: acc[r, :] += its scales times the block's dots (and mins or zeros
+    # times the sum of x), without the part buffer
+    x_scales, xq_sums, x_sums = activations
+    scales, scales_super, zeros, zeros_super = scale_buffers
+    for r in T.unroll(TILE_ROWS):
+        for lane in T.vectorized(plan.tile_vectors * plan.lanes):
+            if plan.spec.scheme == "symmetric":
+                acc[r, lane] = acc[r, lane] + _scale_of(
+                    plan, scales, scales_super, wj, g, v0 * plan.lanes + lane
+                ) * (x_scales[row0 + r, g] * _tile_dot(plan, dots, dots_low, xq_sums, row0 + r, g, r, lane))
+            elif plan.spec.scheme == "min":
+                acc[r, lane] = (
+                    acc[r, lane]
+                    + _scale_of(plan, scales, scales_super, wj, g, v0 * plan.lanes + lane)
+                    * (x_scales[row0 + r, g] * _tile_dot(plan, dots, dots_low, xq_sums, row0 + r, g, r, lane))
+                    + _scale_of(plan, zeros, zeros_super, wj, g, v0 * plan.lanes + lane) * x_sums[row0 + r, g]
+                )
+            else:
+                acc[r, lane] = acc[r, lane] + _scale_of(
+                    plan, scales, scales_super, wj, g, v0 * plan.lanes + lane
+                ) * (
+                    x_scales[row0 + r, g] * _tile_dot(plan, dots, dots_low, xq_sums, row0 + r, g, r, lane)
+                    - _scale_of(plan, zeros, zeros_super, wj, g, v0 * plan.lanes + lane) * x_sums[row0 + r, g]
+                )
+
+
+@T.macro
+def _tile_rows_of_strip(
+    plan: IntDotPlan,
+    jo: Expr,
+    wj: Expr,
+    row0: Expr,
+    v0: Expr,
+    operands: tuple,
+    scratch: tuple,
+    unpacked: Buffer,
+):
+    # TILE_ROWS rows from row0 by vectors v0, v0 + 1 of strip jo: _rows_of_strip with tiles for the dots
+    w, _, xq, x_scales, xq_sums, x_sums, scales, scales_super, zeros, zeros_super = operands[:10]
+    bias, y_rows = operands[10:12]
+    acc, part, dots, dots_low, rows_in, rows_out = (
+        scratch[0],
+        scratch[1],
+        scratch[2],
+        scratch[3],
+        scratch[6],
+        scratch[7],
+    )
+    for r in T.unroll(TILE_ROWS):
+        for lane in T.vectorized(plan.tile_vectors * plan.lanes):
+            acc[r, lane] = T.float32(0)
+    for g in T.serial(plan.groups):
+        if plan.per_group == 1:
+            _tile_block_dots(plan, wj, g, 0, row0, v0, w, unpacked, xq, dots, dots_low)
+            _tile_block_into_acc(
+                plan,
+                wj,
+                g,
+                row0,
+                v0,
+                dots,
+                dots_low,
+                acc,
+                (x_scales, xq_sums, x_sums),
+                (scales, scales_super, zeros, zeros_super),
+            )
+        else:
+            for r in T.unroll(TILE_ROWS):
+                for lane in T.vectorized(plan.tile_vectors * plan.lanes):
+                    part[r, lane] = T.float32(0)
+            for bi in T.serial(plan.per_group):
+                _tile_block_dots(plan, wj, g, bi, row0, v0, w, unpacked, xq, dots, dots_low)
+                _block_into_part(
+                    plan,
+                    g,
+                    bi,
+                    row0,
+                    TILE_ROWS,
+                    plan.tile_vectors,
+                    dots,
+                    dots_low,
+                    part,
+                    (x_scales, xq_sums),
+                    rows_in,
+                )
+            _group_into_acc(
+                plan,
+                wj,
+                g,
+                row0,
+                TILE_ROWS,
+                v0,
+                plan.tile_vectors,
+                acc,
+                part,
+                (scales, scales_super, zeros, zeros_super),
+                x_sums,
+                rows_in,
+            )
+    _store_rows(plan, jo, row0, TILE_ROWS, v0, plan.tile_vectors, acc, bias, y_rows, rows_out)
+
+
+@T.macro
+def _tile_strip_passes(plan: IntDotPlan, jo: Expr, wj: Expr, rows: Expr, operands: tuple):
+    # the strip's first rows // TILE_ROWS blocks of rows through the tiles, then the rest as vnni512
+    w, w_high = operands[0], operands[1]
+    config = T.sblock_alloc_buffer((64,), "uint8")
+    unpacked = T.sblock_alloc_buffer((plan.k // 4 if plan.nibbles else 1, plan.tile * 4), "uint8")
+    scratch = _pass_scratch(plan, TILE_ROWS, plan.tile_vectors)
+    wide = _pass_scratch(plan, 1, plan.vectors)
+    if rows >= TILE_ROWS:
+        _configure_tiles(plan, config)
+        if plan.nibbles:
+            _unpack_strip(plan, w, w_high, wj, unpacked, wide)
+        for a in T.serial(rows // TILE_ROWS):
+            for vs in T.serial(plan.vectors // plan.tile_vectors):
+                _tile_rows_of_strip(
+                    plan, jo, wj, a * TILE_ROWS, vs * plan.tile_vectors, operands, scratch, unpacked
+                )
+        T.evaluate(_tile_op("tilerelease"))
+    _strip_passes(plan, jo, wj, rows - rows % TILE_ROWS, rows % TILE_ROWS, operands)
+
+
 def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
     @T.prim_func(s_tir=True)
     def int_dot_gemm(
@@ -1074,7 +1337,10 @@ def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
                     y_rows,
                     counts,  # `order` in the experts' form, unread here
                 )
-                _strip_passes(plan, jo, jo, 0, rows, operands)
+                if plan.isa.tiles:
+                    _tile_strip_passes(plan, jo, jo, rows, operands)
+                else:
+                    _strip_passes(plan, jo, jo, 0, rows, operands)
 
     return int_dot_gemm
 

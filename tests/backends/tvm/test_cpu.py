@@ -15,7 +15,7 @@ from kiln.backends.base import BackendError, CompileSettings, held_weight_bytes
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
-from kiln.backends.tvm.cpu_features import host_flags
+from kiln.backends.tvm.cpu_features import enable_amx, host_flags
 from kiln.ir import DTYPES, KV_CACHE_INPUT
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
@@ -143,6 +143,19 @@ def test_foreign_cpu_features_are_refused_at_load(tmp_path: Path, tvm_compile, m
     (tmp_path / "tvm" / "step.json").write_text(json.dumps(description))
     with pytest.raises(BackendError, match="avx9000"):
         TVMBackend().load(tmp_path / "tvm", program.weights, Target("cpu"))
+
+
+def test_the_host_target_has_amx_exactly_where_linux_grants_it() -> None:
+    """A VM reports an older CPU model than it runs (LLVM's name for it lacks AMX): the host target adds
+    AMX where the kernel grants the tile data, and removes it where the kernel would not."""
+    from kiln.backends.tvm import cpu
+
+    if Target("cpu").machine != "x86_64":
+        pytest.skip("AMX is x86-64's")
+    target = cpu.llvm_target(Target("cpu"))
+    isa = cpu.int_dot_isa(target)
+    assert ("amx-int8" in cpu.llvm_features(target)) == enable_amx()
+    assert (isa is not None and isa.name == "amx") == enable_amx()
 
 
 def test_unknown_mcpu_is_refused_before_compiling() -> None:

@@ -10,7 +10,7 @@ import torch
 import tvm
 
 from kiln.backends.targets import TRIPLES
-from kiln.backends.tvm.cpu_features import host_flags
+from kiln.backends.tvm.cpu_features import enable_amx, host_flags
 from kiln.backends.tvm.kernels.int_dot import (
     ISAS,
     Plane,
@@ -24,7 +24,8 @@ from kiln.backends.tvm.layouts import dot_high, dot_tiled, tiled
 from kiln.ir.ops.quant import pack_int4
 
 K, N = 256, 128
-ROWS = (1, 3, 4, 7, 13, 16, 64)  # 13: narrow passes, then whole-strip pairs, then one row
+ROWS = (1, 3, 4, 7, 13, 16, 35, 64)  # 13: narrow passes, then whole-strip pairs, then one row; 35: AMX
+# tiles of 16 rows, then those passes
 # (spec, value_bits): every plane the kernel reads
 SPECS = (
     (QuantSpec(4, 32, "min"), None),  # GGUF Q4_K, Q4_1: nibbles
@@ -46,6 +47,7 @@ EXPECTED_PLANES = [
 ]
 # The CPU each variant is compiled for, and the /proc/cpuinfo flags it needs to run.
 VARIANTS = {
+    "amx": ("sapphirerapids", {"amx_tile", "amx_int8", "avx512_vnni", "avx512bw"}),
     "vnni512": ("znver5", {"avx512_vnni", "avx512bw"}),
     "vnni256": ("alderlake", {"avx_vnni"}),
     "avx2": ("znver3", {"avx2"}),
@@ -161,6 +163,8 @@ def _run(
     mcpu, needs = VARIANTS[variant]
     if not needs <= host_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - host_flags())} for the {variant} variant")
+    if variant == "amx" and not enable_amx():
+        pytest.skip("this CPU reports AMX, but the kernel does not grant this process its tile data")
     target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["x86_64"], "mcpu": mcpu})
     library = tvm.compile(_kernel(spec, value_bits, variant, activation_bits), target=target)
     model_weights, constant, activations = _inputs(spec, value_bits, variant, largest)
@@ -259,6 +263,7 @@ def test_the_tightest_plane_is_chosen() -> None:
 
 
 def test_variant_choice_follows_the_target_features() -> None:
+    assert choose_isa({"avx512f", "avx512bw", "avx512vnni", "amx-tile", "amx-int8"}) is ISAS["amx"]
     assert choose_isa({"avx2", "avx512f", "avx512bw", "avx512vnni"}) is ISAS["vnni512"]
     assert choose_isa({"avx2", "avxvnni"}) is ISAS["vnni256"]
     assert choose_isa({"avx2", "fma"}) is ISAS["avx2"]
