@@ -330,8 +330,12 @@ class IntDotPlan:
         return self.tile // self.lanes
 
     @property
+    def tiles(self) -> bool:  # AMX passes: strips of an even number of vectors (tile_vectors a pass)
+        return self.isa.tiles and self.vectors % self.tile_vectors == 0
+
+    @property
     def tile_vectors(self) -> int:  # AMX: vectors of columns a pass of tiles (a C tile and B tile each)
-        return 2 if self.vectors % 2 == 0 else 1
+        return 2
 
     @property
     def strips(self) -> int:
@@ -1337,7 +1341,7 @@ def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
                     y_rows,
                     counts,  # `order` in the experts' form, unread here
                 )
-                if plan.isa.tiles:
+                if plan.tiles:
                     _tile_strip_passes(plan, jo, jo, rows, operands)
                 else:
                     _strip_passes(plan, jo, jo, 0, rows, operands)
