@@ -50,13 +50,9 @@ bench: model
 # Peers in their own venv, built for THIS host (llama.cpp is compiled from source: several minutes):
 # llama-cpp-python (for bench/peers.py and bench/compare.py) and the native llama-server and llama-bench
 # (scripts/build_llama_cpp.sh, for bench/serve_peers.py). -DGGML_NATIVE=ON uses what the host's CPU has
-# (AVX2 only, AVX-512, VNNI, AMX); AMX stays on only where scripts/amx_probe.c runs a tile multiply, since
-# some VMs report it without enabling it (recursive variables: probed only when a peer is built).
-AMX_RUNS = $(shell grep -qw amx_tile /proc/cpuinfo && mkdir -p $(PEERS) && cc -O1 -mamx-tile -mamx-int8 \
-	scripts/amx_probe.c -o $(PEERS)/amx_probe 2>/dev/null && $(PEERS)/amx_probe >/dev/null 2>&1 && echo 1)
-AMX_SWITCH = $(if $(AMX_RUNS),ON,OFF)
-AMX_FLAGS = $(if $(AMX_RUNS),,$(if $(shell grep -wo amx_tile /proc/cpuinfo 2>/dev/null | head -1),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,))
-LLAMA_CMAKE_ARGS = -DGGML_NATIVE=ON -DGGML_AMX_TILE=$(AMX_SWITCH) -DGGML_AMX_INT8=$(AMX_SWITCH) -DGGML_AMX_BF16=$(AMX_SWITCH) \
+# (AVX2 only, AVX-512, VNNI); AMX is turned off, since some VMs report it without enabling it.
+AMX_FLAGS := $(if $(shell grep -wo amx_tile /proc/cpuinfo 2>/dev/null | head -1),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
 	-DCMAKE_C_FLAGS="$(AMX_FLAGS)" -DCMAKE_CXX_FLAGS="$(AMX_FLAGS)"
 $(PEERS)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PEERS)

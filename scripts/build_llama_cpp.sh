@@ -6,10 +6,9 @@
 #       -> DEST/bin/llama-server, llama-bench, llama-batched-bench, llama-quantize
 #          and DEST/src/.../vendor/llama.cpp (convert_hf_to_gguf.py, gguf-py) for scripts/make_shaped_gguf.py
 #
-# -DGGML_NATIVE=ON compiles for the host's instruction set (AVX2 only, AVX-512, VNNI, AMX...). Only what
-# the host reports but cannot run is turned off: some VMs report AMX without enabling it (llama.cpp's AMX
-# kernels then die with an illegal instruction), so a host that reports amx_tile runs a tile multiply
-# first (scripts/amx_probe.c) and AMX stays on only if it works. KILN_LLAMA_AMX=0 or 1 overrides.
+# -DGGML_NATIVE=ON compiles for the host's instruction set (AVX2 only, AVX-512, VNNI...). Only what the
+# host reports but cannot run is turned off: some VMs report AMX without enabling it, and llama.cpp's
+# AMX kernels then die with an illegal instruction, so AMX is disabled unless KILN_LLAMA_AMX=1.
 set -euo pipefail
 dest=$(realpath -m "${1:?usage: build_llama_cpp.sh DEST [VERSION]}")
 version=${2:-0.3.36}
@@ -22,26 +21,15 @@ if [ ! -d "$work/llama_cpp_python-$version" ]; then
   tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 fi
 source_dir="$work/llama_cpp_python-$version/vendor/llama.cpp"
-amx=${KILN_LLAMA_AMX:-}
-if [ -z "$amx" ]; then
-  amx=0
-  if grep -qw amx_tile /proc/cpuinfo && cc -O1 -mamx-tile -mamx-int8 "$(dirname "$0")/amx_probe.c" \
-    -o "$dest/amx_probe" 2>/dev/null && "$dest/amx_probe" >/dev/null 2>&1; then
-    amx=1
-  fi
-fi
 flags=""
-amx_options="-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON"
-if [ "$amx" != 1 ]; then
-  amx_options="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-  if grep -qw amx_tile /proc/cpuinfo; then flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+if grep -qw amx_tile /proc/cpuinfo && [ "${KILN_LLAMA_AMX:-0}" != 1 ]; then
+  flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
-# shellcheck disable=SC2086  # amx_options is three words
 cmake -S "$source_dir" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
-  $amx_options -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$dest/cmake.log"
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$dest/cmake.log"
 cmake --build "$dest/build" --target llama-server llama-bench llama-batched-bench llama-quantize -j "$(nproc)" >"$dest/build.log"
 for tool in llama-server llama-bench llama-batched-bench llama-quantize; do cp "$dest/build/bin/$tool" "$dest/bin/"; done
 isa=$(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || (grep -qw avx2 /proc/cpuinfo && echo AVX2 || echo "no AVX2"))
-if [ "$amx" = 1 ]; then isa="$isa with AMX"; fi
 echo "built $dest/bin/llama-server and llama-bench (llama.cpp from llama-cpp-python $version, -march=native: $isa)"
