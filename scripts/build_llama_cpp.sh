@@ -8,7 +8,9 @@
 #
 # -DGGML_NATIVE=ON compiles for the host's instruction set (AVX2 only, AVX-512, VNNI...). Only what the
 # host reports but cannot run is turned off: some VMs report AMX without enabling it, and llama.cpp's
-# AMX kernels then die with an illegal instruction, so AMX is disabled unless KILN_LLAMA_AMX=1.
+# AMX kernels then die with an illegal instruction, so AMX is disabled unless KILN_LLAMA_AMX=1. Where AMX
+# does run (an Intel Xeon with AMX under KVM, 2026-12-05: a tile multiply works), this llama.cpp's AMX
+# build still segfaults in llama-bench on a Q4_K_M model, so the peer is built without it there too.
 set -euo pipefail
 dest=$(realpath -m "${1:?usage: build_llama_cpp.sh DEST [VERSION]}")
 version=${2:-0.3.36}
