@@ -12,6 +12,8 @@ columns (parallel across cores), each weight group g and each row:
 The weights q are the IR's integers: 4-bit values 0..15, or int8. The dot product is one
 instruction sequence per target, chosen at compile time from the CPU's features (`Isa`):
 
+    amx      tdpbsud tiles     16 rows x 16 columns x a block of k (AMX-INT8), rows 16 at a time;
+                               the other rows as vnni512 ("AMX (Isa.tiles)" below)
     vnni512  vpdpbusd zmm      16 columns x 4 k per instruction (AVX-512 VNNI)
     vnni256  vpdpbusd ymm       8 x 4 (AVX-VNNI, or AVX-512 VNNI with 256-bit vectors)
     avx2     vpmaddubsw + vpmaddwd, 8 x 4
