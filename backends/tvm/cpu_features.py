@@ -4,6 +4,7 @@ LLVM)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 from kiln.backends.targets import host_machine
@@ -78,8 +79,10 @@ def host_flags() -> set[str]:
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
+@functools.cache
 def enable_amx() -> bool:
-    """Ask the kernel for AMX tile data for this process; True when granted (x86-64 Linux with AMX)."""
+    """Ask the kernel for AMX tile data for this process (once: the grant is the process's); True when
+    granted (x86-64 Linux with AMX)."""
     if host_machine() != "x86_64" or "amx_tile" not in host_flags():
         return False
     try:

@@ -1263,11 +1263,11 @@ def _tile_rows_of_strip(
 def _tile_strip_passes(plan: IntDotPlan, jo: Expr, wj: Expr, rows: Expr, operands: tuple):
     # the strip's first rows // TILE_ROWS blocks of rows through the tiles, then the rest as vnni512
     w, w_high = operands[0], operands[1]
-    config = T.sblock_alloc_buffer((64,), "uint8")
-    unpacked = T.sblock_alloc_buffer((plan.k // 4 if plan.nibbles else 1, plan.tile * 4), "uint8")
-    scratch = _pass_scratch(plan, TILE_ROWS, plan.tile_vectors)
-    wide = _pass_scratch(plan, 1, plan.vectors)
-    if rows >= TILE_ROWS:
+    if rows >= TILE_ROWS:  # decode's few rows allocate and unpack nothing
+        config = T.sblock_alloc_buffer((64,), "uint8")
+        unpacked = T.sblock_alloc_buffer((plan.k // 4 if plan.nibbles else 1, plan.tile * 4), "uint8")
+        scratch = _pass_scratch(plan, TILE_ROWS, plan.tile_vectors)
+        wide = _pass_scratch(plan, 1, plan.vectors)
         _configure_tiles(plan, config)
         if plan.nibbles:
             _unpack_strip(plan, w, w_high, wj, unpacked, wide)
