@@ -14,6 +14,7 @@ import torch
 from kiln.backends.targets import FLOAT8_HINT, Target, bfloat16_refusal, float8_kv_cache_refusal
 from kiln.errors import KilnError
 from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, StepInputs
+from kiln.ir.step import Logits
 
 
 class BackendError(KilnError):
@@ -201,8 +202,8 @@ class Executable(Protocol):
 
     kv_cache_spec: KVCacheSpec
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab], float32, on the host."""
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
+        """Logits [L, vocab] (a row per `inputs.logits_indices`), float32, on the host."""
         ...
 
 

@@ -102,7 +102,7 @@ def _probe(
         logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
     finally:
         fmt.close_executable(executable)
-    save_file({"logits": logits.contiguous()}, str(root / target.folder / fmt.PROBE_FILE))
+    save_file({"logits": torch.from_numpy(logits.copy())}, str(root / target.folder / fmt.PROBE_FILE))
 
 
 def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tuple[str, str]:

@@ -3,6 +3,9 @@ backend and pass is checked against, run by the reference backend and by calibra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import torch
 
 from kiln.ir.deferred import materialize
@@ -55,18 +58,19 @@ def last_uses(graph: Graph) -> dict[int, list[str]]:
 def interpret(
     graph: Graph,
     weights: dict[str, torch.Tensor],
-    inputs: dict[str, torch.Tensor],
+    inputs: Mapping[str, torch.Tensor | np.ndarray],
     drops: dict[int, list[str]] | None = None,
 ) -> list[torch.Tensor]:
-    """Run `graph` on `inputs` (by input name); the graph's outputs in order. `drops`: `last_uses(graph)`,
-    for a caller that runs the graph many times."""
+    """Run `graph` on `inputs` (by input name; numpy arrays are shared, not copied); the graph's outputs
+    in order. `drops`: `last_uses(graph)`, for a caller that runs the graph many times."""
     symbols: dict[str, int] = {}
     env: dict[str, torch.Tensor] = {name: materialize(weight) for name, weight in weights.items()}
     for value in graph.inputs:
         if value.name not in inputs:
             raise IRError(f"no tensor for graph input %{value.name}")
-        _bind(value.type, inputs[value.name], value.name, symbols)
-        env[value.name] = inputs[value.name]
+        given = torch.as_tensor(inputs[value.name])
+        _bind(value.type, given, value.name, symbols)
+        env[value.name] = given
     drops = drops if drops is not None else last_uses(graph)
     with torch.no_grad():
         for index, node in enumerate(graph.nodes):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.ir.types import TensorType
 
@@ -23,6 +24,8 @@ STEP_INPUT_TYPES: dict[str, TensorType] = {
     "logits_indices": TensorType("i64", ("L",)),
 }
 KV_CACHE_INPUT = "kv_cache"
+IndexArray = npt.NDArray[np.int64]
+Logits = npt.NDArray[np.float32]  # [rows, vocab] on the host: what a step returns, what the sampler reads
 
 
 def kv_cache_type(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "f32") -> TensorType:
@@ -32,17 +35,17 @@ def kv_cache_type(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str 
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's ragged batch; every tensor int64 on the executable's device."""
+    """One step's ragged batch: host int64 arrays; an executable moves them where it computes."""
 
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    logits_indices: torch.Tensor
+    token_ids: IndexArray
+    positions: IndexArray
+    slot_mapping: IndexArray
+    block_tables: IndexArray
+    seq_lens: IndexArray
+    query_start_loc: IndexArray
+    logits_indices: IndexArray
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
+    def as_dict(self) -> dict[str, IndexArray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -84,8 +87,8 @@ def build_step_inputs(slices: Sequence[SequenceSlice], block_size: int) -> StepI
     width = max(len(p.block_table) for p in slices)
     tables = [list(p.block_table) + [0] * (width - len(p.block_table)) for p in slices]
 
-    def tensor(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+    def tensor(values: Sequence[int] | Sequence[Sequence[int]]) -> IndexArray:
+        return np.array(values, dtype=np.int64)
 
     return StepInputs(
         token_ids=tensor(token_ids),

@@ -9,9 +9,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
-from kiln.backends.base import Executable, kv_cache_device
+from kiln.backends.base import Executable, Logits, kv_cache_device
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -264,14 +264,14 @@ class LLMEngine:
         first = max(start, len(collected) - 1)
         return range(first, min(end, len(seq.prompt_token_ids) - 1))
 
-    def _add_prompt_logprobs(self, request: Request, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
+    def _add_prompt_logprobs(self, request: Request, chunk: ScheduledChunk, rows: Logits) -> None:
         assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
         first = len(request.prompt_logprobs)
         next_tokens = request.prompt_token_ids[first : first + rows.shape[0]]
         request.prompt_logprobs.extend(prompt_logprobs(rows, next_tokens, request.params.prompt_logprobs))
 
     def _sample_and_update(
-        self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]], touched: dict[str, Request]
+        self, logits: Logits, to_sample: list[tuple[Sequence, int]], touched: dict[str, Request]
     ) -> None:
         rows = logits[[row for _, row in to_sample]]
         states = [self._states[seq.seq_id] for seq, _ in to_sample]
@@ -287,9 +287,7 @@ class LLMEngine:
             self._advance_matcher(state, seq, sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
 
-    def _verify(
-        self, seq: Sequence, rows: torch.Tensor, num_drafts: int, touched: dict[str, Request]
-    ) -> None:
+    def _verify(self, seq: Sequence, rows: Logits, num_drafts: int, touched: dict[str, Request]) -> None:
         """The speculating sequence's rows through the verifier; the accepted drafts count as computed."""
         assert self.spec_decoder is not None
         state = self._states[seq.seq_id]
@@ -297,7 +295,7 @@ class LLMEngine:
         touched[request.request_id] = request
         self._release_held(request)  # the prompt's last token may be the one that speculates
 
-        def sample_row(row: torch.Tensor, draft: int | None, q: torch.Tensor | None) -> int:
+        def sample_row(row: Logits, draft: int | None, q: np.ndarray | None) -> int:
             matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
             bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
             (sampled,) = sample(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
+import numpy as np
 
 from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.ir.step import SequenceSlice, build_step_inputs
@@ -32,7 +32,7 @@ def greedy_generate(
     while len(generated) < max_tokens:
         inputs = build_step_inputs([SequenceSlice(pending, num_cached, block_table)], block_size)
         logits = executable.step(inputs, kv_cache)
-        token = int(torch.argmax(logits[0]))
+        token = int(np.argmax(logits[0]))
         generated.append(token)
         if on_token is not None:
             on_token(token)

@@ -1,5 +1,8 @@
 """Turn a batch of logits rows into tokens, one row per sequence, each row with its own settings.
 
+Logits are host-side numpy arrays (float32 [N, vocab]; anything `np.asarray` takes is accepted) and
+generators are numpy's (PCG64); the module does not import torch.
+
 The steps run in vLLM's order: logit_bias, min_tokens, penalties (repetition, then frequency and
 presence), the structured-output token mask, then greedy argmax or temperature, top-k, top-p, min-p
 and a draw. Logprobs are the model's own (before any of these). Every step is a pure
@@ -12,12 +15,19 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
 
-_NEG_INF = float("-inf")
+FloatArray = npt.NDArray[np.float32]
+IdArray = npt.NDArray[np.int64]
+
+_NEG_INF = np.float32(-np.inf)
+_TINY = np.finfo(np.float32).tiny
+_NORMALIZER_ROWS = 32  # rows a time for the log-softmax normalizers (bounds the exp buffer)
+_TOP_P_CANDIDATES = (1024, 16384)  # top-p sorts only this many most likely tokens when they hold p
 
 
 @dataclass
@@ -25,7 +35,7 @@ class SequenceSampling:
     """What the sampler needs to know about one sequence for one step."""
 
     params: SamplingParams
-    generator: torch.Generator
+    generator: np.random.Generator
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()  # generated so far, for penalties and min_tokens
 
@@ -39,33 +49,24 @@ class SampledToken:
     top_logprobs: TokenLogprobs | None = None  # chosen token plus the top `params.logprobs`
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+def apply_token_bitmask(logits: npt.ArrayLike, bitmask: npt.ArrayLike) -> FloatArray:
+    """-inf where a row's bitmask (int32 [N, ceil(vocab / 32)]) does not allow the token."""
+    return _mask_tokens(_as_logits(logits), bitmask, in_place=False)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where a row's bitmask does not allow the token."""
-    rows, vocab = logits.shape
-    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> _BITS) & 1).bool().reshape(rows, -1)[:, :vocab]
-    return logits.masked_fill(~allowed, _NEG_INF)
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from `seed`, or from fresh OS randomness when `seed` is None."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def make_generator(seed: int | None) -> np.random.Generator:
+    """A PCG64 generator seeded from `seed`, or from fresh OS randomness when `seed` is None. A negative
+    seed counts modulo 2**64, as torch's manual_seed takes it."""
+    return np.random.Generator(np.random.PCG64(None if seed is None else seed % 2**64))
 
 
 def sample(
-    logits: torch.Tensor,
+    logits: npt.ArrayLike,
     sequences: Sequence[SequenceSampling],
     eos_token_ids: Sequence[int] = (),
-    token_bitmask: torch.Tensor | None = None,
+    token_bitmask: npt.ArrayLike | None = None,
     drafts: Sequence[int | None] | None = None,
-    draft_probs: Sequence[torch.Tensor | None] | None = None,
+    draft_probs: Sequence[npt.ArrayLike | None] | None = None,
 ) -> list[SampledToken]:
     """One token per row of `logits` [N, vocab]; row i is sampled with `sequences[i]`'s settings.
 
@@ -79,58 +80,60 @@ def sample(
     distribution is p either way, and the draft is accepted when the token equals it.
     """
     logits = _check_logits(logits, len(sequences))
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    maxes, log_sums = _log_normalizers(logits)
     params = [s.params for s in sequences]
-    processed = apply_logit_bias(logits, [p.logit_bias for p in params])
-    processed = ban_tokens(processed, [min_tokens_bans(s, eos_token_ids) for s in sequences])
-    processed = apply_penalties(
+    # Each step copies the caller's logits only when it changes them; later steps then work in place.
+    processed = _logit_bias(logits, [p.logit_bias for p in params], in_place=False)
+    bans = [min_tokens_bans(s, eos_token_ids) for s in sequences]
+    processed = _ban_tokens(processed, bans, in_place=processed is not logits)
+    processed = _penalties(
         processed,
         [s.prompt_token_ids for s in sequences],
         [s.output_token_ids for s in sequences],
         presence_penalties=[p.presence_penalty for p in params],
         frequency_penalties=[p.frequency_penalty for p in params],
         repetition_penalties=[p.repetition_penalty for p in params],
+        in_place=processed is not logits,
     )
     if token_bitmask is not None:
-        processed = apply_token_bitmask(processed, token_bitmask)
-    token_ids = _choose(processed, sequences, drafts, draft_probs)
-    chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
-    logprobs = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
+        processed = _mask_tokens(processed, token_bitmask, in_place=processed is not logits)
+    token_ids = _choose(processed, processed is not logits, sequences, drafts, draft_probs)
     return [
-        SampledToken(token_id, logprob, _top_logprobs_if(raw_logprobs[i], token_id, params[i].logprobs))
-        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True))
+        SampledToken(
+            token_id,
+            float(_logprobs(logits[i], maxes[i], log_sums[i], [token_id])[0]),
+            None
+            if params[i].logprobs is None
+            else _top_logprobs(logits[i], maxes[i], log_sums[i], token_id, params[i].logprobs),
+        )
+        for i, token_id in enumerate(token_ids)
     ]
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+def prompt_logprobs(
+    logits: npt.ArrayLike, next_token_ids: Sequence[int], num_top: int
+) -> list[TokenLogprobs]:
     """For logits rows at prompt positions: the logprob of the prompt's actual next token, plus the top
     `num_top` tokens, per row."""
     logits = _check_logits(logits, len(next_token_ids))
     if not 0 <= num_top <= logits.shape[1]:
         raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
     _check_token_ids(next_token_ids, logits.shape[1], "next_token_ids")
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [_top_logprobs(logprobs[i], token_id, num_top) for i, token_id in enumerate(next_token_ids)]
+    maxes, log_sums = _log_normalizers(logits)
+    return [
+        _top_logprobs(logits[i], maxes[i], log_sums[i], token_id, num_top)
+        for i, token_id in enumerate(next_token_ids)
+    ]
 
 
 # --- the steps, each a pure function of the logits and per-row settings -------------------------------
+# Each public step returns its input when it changes nothing, else a new array; its private twin
+# with in_place=True changes the array it is given (one the caller owns) instead of copying it.
 
 
-def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> torch.Tensor:
+def apply_logit_bias(logits: npt.ArrayLike, biases: Sequence[Mapping[int, float] | None]) -> FloatArray:
     """Add each row's {token id: bias} to its logits."""
-    rows, cols, values = [], [], []
-    for row, bias in enumerate(biases):
-        for token_id, value in (bias or {}).items():
-            rows.append(row)
-            cols.append(token_id)
-            values.append(value)
-    if not rows:
-        return logits
-    _check_token_ids(cols, logits.shape[1], "logit_bias")
-    out = logits.clone()
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    out.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
-    return out
+    return _logit_bias(_as_logits(logits), biases, in_place=False)
 
 
 def min_tokens_bans(sequence: SequenceSampling, eos_token_ids: Sequence[int] = ()) -> list[int]:
@@ -142,29 +145,122 @@ def min_tokens_bans(sequence: SequenceSampling, eos_token_ids: Sequence[int] = (
     return sorted({*eos, *params.stop_token_ids})
 
 
-def ban_tokens(logits: torch.Tensor, banned: Sequence[Collection[int]]) -> torch.Tensor:
+def ban_tokens(logits: npt.ArrayLike, banned: Sequence[Collection[int]]) -> FloatArray:
     """Set each row's banned token ids to -inf."""
-    rows = [row for row, ids in enumerate(banned) for _ in ids]
-    if not rows:
-        return logits
-    cols = [token_id for ids in banned for token_id in ids]
-    _check_token_ids(cols, logits.shape[1], "banned token ids")
-    out = logits.clone()
-    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
-    return out
+    return _ban_tokens(_as_logits(logits), banned, in_place=False)
 
 
 def apply_penalties(
-    logits: torch.Tensor,
+    logits: npt.ArrayLike,
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
     *,
     presence_penalties: Sequence[float],
     frequency_penalties: Sequence[float],
     repetition_penalties: Sequence[float],
-) -> torch.Tensor:
+) -> FloatArray:
     """Repetition penalty over prompt and output tokens (positive logits divided by it, others
     multiplied), then OpenAI's frequency (times the count) and presence penalties over output tokens."""
+    return _penalties(
+        _as_logits(logits),
+        prompt_token_ids,
+        output_token_ids,
+        presence_penalties=presence_penalties,
+        frequency_penalties=frequency_penalties,
+        repetition_penalties=repetition_penalties,
+        in_place=False,
+    )
+
+
+def apply_temperature(logits: npt.ArrayLike, temperatures: Sequence[float]) -> FloatArray:
+    """Divide each row by its temperature (> 0)."""
+    return _temperature(_as_logits(logits), temperatures, in_place=False)
+
+
+def apply_top_k(logits: npt.ArrayLike, top_k: Sequence[int | None]) -> FloatArray:
+    """Keep each row's k largest logits (and any tied with the k-th); None keeps all."""
+    return _top_k(_as_logits(logits), top_k, in_place=False)
+
+
+def apply_top_p(logits: npt.ArrayLike, top_p: Sequence[float]) -> FloatArray:
+    """Keep each row's smallest set of most probable tokens whose probabilities sum to at least p (of
+    tokens tied at the boundary, those with the highest ids, as a stable ascending sort leaves them)."""
+    return _top_p(_as_logits(logits), top_p, in_place=False)
+
+
+def apply_min_p(logits: npt.ArrayLike, min_p: Sequence[float]) -> FloatArray:
+    """Drop each row's tokens whose probability is below min_p times the row's highest probability."""
+    return _min_p(_as_logits(logits), min_p, in_place=False)
+
+
+def softmax(logits: npt.ArrayLike) -> FloatArray:
+    """The probabilities of a logits row [vocab], float32 (computed with the row's max subtracted)."""
+    row = np.asarray(logits, dtype=np.float32)
+    probs = row - row.max()
+    np.exp(probs, out=probs)
+    probs /= probs.sum()
+    return probs
+
+
+def draw(logits: npt.ArrayLike, generator: np.random.Generator) -> int:
+    """One token from softmax(logits) [vocab], using only `generator` (Gumbel-max on exponential noise:
+    the argmax of logits - log(noise), over the finite logits only)."""
+    row = np.asarray(logits, dtype=np.float32)
+    finite = np.flatnonzero(row > _NEG_INF)
+    subset = 0 < finite.size < row.size
+    if subset:
+        row = row[finite]
+    noise = generator.standard_exponential(row.shape[0], dtype=np.float32)
+    np.maximum(noise, _TINY, out=noise)
+    np.log(noise, out=noise)
+    np.subtract(row, noise, out=noise)
+    best = int(np.argmax(noise))
+    return int(finite[best]) if subset else best
+
+
+# --- the steps' implementations ------------------------------------------------------------------------
+
+
+def _logit_bias(
+    logits: FloatArray, biases: Sequence[Mapping[int, float] | None], *, in_place: bool
+) -> FloatArray:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, bias in enumerate(biases):
+        for token_id, value in (bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(value)
+    if not rows:
+        return logits
+    _check_token_ids(cols, logits.shape[1], "logit_bias")
+    out = logits if in_place else logits.copy()
+    np.add.at(out, (np.array(rows), np.array(cols)), np.array(values, dtype=np.float32))
+    return out
+
+
+def _ban_tokens(logits: FloatArray, banned: Sequence[Collection[int]], *, in_place: bool) -> FloatArray:
+    rows = [row for row, ids in enumerate(banned) for _ in ids]
+    if not rows:
+        return logits
+    cols = [token_id for ids in banned for token_id in ids]
+    _check_token_ids(cols, logits.shape[1], "banned token ids")
+    out = logits if in_place else logits.copy()
+    out[np.array(rows), np.array(cols)] = _NEG_INF
+    return out
+
+
+def _penalties(
+    logits: FloatArray,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    *,
+    presence_penalties: Sequence[float],
+    frequency_penalties: Sequence[float],
+    repetition_penalties: Sequence[float],
+    in_place: bool,
+) -> FloatArray:
     rows = [
         i
         for i in range(logits.shape[0])
@@ -172,9 +268,9 @@ def apply_penalties(
     ]
     if not rows:
         return logits
-    out = logits.clone()
+    out = logits if in_place else logits.copy()
     for i in rows:
-        out[i] = _penalize_row(
+        _penalize_row(
             out[i],
             prompt_token_ids[i],
             output_token_ids[i],
@@ -185,148 +281,251 @@ def apply_penalties(
     return out
 
 
-def apply_temperature(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
-    """Divide each row by its temperature (> 0)."""
+def _penalize_row(
+    row: FloatArray,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    presence: float,
+    frequency: float,
+    repetition: float,
+) -> None:
+    """Penalize `row` [vocab] in place, touching only the tokens seen."""
+    vocab_size = row.shape[0]
+    output = _token_id_array(output_ids, vocab_size)
+    if repetition != 1:
+        seen = np.unique(np.concatenate([_token_id_array(prompt_ids, vocab_size), output]))
+        values = row[seen]
+        row[seen] = np.where(values > 0, values / repetition, values * repetition)
+    if frequency != 0 or presence != 0:
+        ids, counts = np.unique(output, return_counts=True)
+        row[ids] = row[ids] - frequency * counts.astype(np.float32) - presence
+
+
+def _mask_tokens(logits: FloatArray, bitmask: npt.ArrayLike, *, in_place: bool) -> FloatArray:
+    rows, vocab = logits.shape
+    words = np.ascontiguousarray(bitmask, dtype="<i4")  # little-endian, so its bytes' bits are in token order
+    if words.ndim != 2 or words.shape[0] != rows or words.shape[1] * 32 < vocab:
+        raise ValueError(f"token_bitmask must be int32 [{rows}, {-(-vocab // 32)}], got {words.shape}")
+    banned = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+    np.logical_not(banned, out=banned)
+    out = logits if in_place else logits.copy()
+    np.putmask(out, banned, _NEG_INF)
+    return out
+
+
+def _temperature(logits: FloatArray, temperatures: Sequence[float], *, in_place: bool) -> FloatArray:
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"temperatures must be > 0 (0 means greedy: take the argmax), got {temperatures}")
     if all(t == 1 for t in temperatures):
         return logits
-    return logits / _column(temperatures, logits)
+    if not in_place:
+        return logits / _column(temperatures)
+    logits /= _column(temperatures)
+    return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: Sequence[int | None]) -> torch.Tensor:
-    """Keep each row's k largest logits (and any tied with the k-th); None keeps all."""
+def _top_k(logits: FloatArray, top_k: Sequence[int | None], *, in_place: bool) -> FloatArray:
     vocab_size = logits.shape[1]
     ks = [vocab_size if k is None else min(k, vocab_size) for k in top_k]
     if any(k < 1 for k in ks):
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if all(k == vocab_size for k in ks):
         return logits
-    largest = logits.topk(max(ks), dim=-1).values
-    kth = largest.gather(1, torch.tensor(ks, device=logits.device).unsqueeze(1) - 1)
-    return logits.masked_fill(logits < kth, _NEG_INF)
+    kth = np.full((len(ks), 1), _NEG_INF, dtype=np.float32)
+    for i, k in enumerate(ks):
+        if k < vocab_size:
+            kth[i, 0] = np.partition(logits[i], vocab_size - k)[vocab_size - k]
+    out = logits if in_place else logits.copy()
+    np.putmask(out, out < kth, _NEG_INF)
+    return out
 
 
-def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
-    """Keep each row's smallest set of most probable tokens whose probabilities sum to at least p."""
+def _top_p(logits: FloatArray, top_p: Sequence[float], *, in_place: bool) -> FloatArray:
     if any(not 0 < p <= 1 for p in top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if all(p == 1 for p in top_p):
         return logits
-    ascending, order = logits.sort(dim=-1, stable=True)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    # A token goes when the tokens below it hold at most 1 - p, i.e. those above it already reach p.
-    limit = _column([1 - p if p < 1 else -1.0 for p in top_p], logits)
-    remove_sorted = cumulative <= limit
-    remove_sorted[:, -1] = False
-    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)
-    return logits.masked_fill(remove, _NEG_INF)
+    out = logits if in_place else logits.copy()
+    for i, p in enumerate(top_p):
+        if p < 1:
+            _top_p_row(out[i], p)
+    return out
 
 
-def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
-    """Drop each row's tokens whose probability is below min_p times the row's highest probability."""
+def _top_p_row(row: FloatArray, p: float) -> None:
+    """Top-p on `row` [vocab] in place: sorted ascending (stably), a token goes when the tokens up to
+    it hold at most 1 - p (the last one stays). Only the most likely tokens are sorted when those
+    left out hold at most 1 - p (they all go), and ties straddling the cut are settled by id as a
+    stable sort would, so an unstable sort gives the same set."""
+    probs = softmax(row)
+    limit = 1.0 - p
+    vocab_size = row.shape[0]
+    total = np.sum(probs, dtype=np.float64)
+    candidates = np.arange(vocab_size)
+    outside = 0.0  # the probability of the tokens that are not candidates
+    threshold = None  # candidates are the tokens >= threshold
+    for count in _TOP_P_CANDIDATES:
+        if count >= vocab_size:
+            break
+        value = np.partition(row, vocab_size - count)[vocab_size - count]
+        if value == _NEG_INF:  # fewer finite logits than count: the others have probability 0
+            candidates = np.flatnonzero(row > _NEG_INF)
+            break
+        ids = np.flatnonzero(row >= value)
+        rest = float(total - np.sum(probs[ids], dtype=np.float64))
+        if rest <= limit:
+            candidates, outside, threshold = ids, rest, value
+            break
+    order = candidates[np.argsort(row[candidates])]
+    cumulative = outside + np.cumsum(probs[order], dtype=np.float64)
+    cut = min(int(np.searchsorted(cumulative, limit, side="right")), order.size - 1)
+    removed = order[:cut]
+    if 0 < cut and row[order[cut]] == row[order[cut - 1]]:
+        tie = row[order[cut]]
+        below = removed[row[removed] < tie]
+        tied = candidates[row[candidates] == tie]  # ascending ids: a stable sort removes these first
+        removed = np.concatenate([below, tied[: cut - below.size]])
+    if threshold is not None:
+        np.putmask(row, row < threshold, _NEG_INF)
+    row[removed] = _NEG_INF
+
+
+def _min_p(logits: FloatArray, min_p: Sequence[float], *, in_place: bool) -> FloatArray:
     if any(not 0 <= p <= 1 for p in min_p):
         raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if all(p == 0 for p in min_p):
         return logits
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * _column(min_p, logits)
-    return logits.masked_fill(probs < threshold, _NEG_INF)
-
-
-def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from softmax(logits) [vocab], using only `generator` (Gumbel-max on exponential noise)."""
-    noise = torch.empty(logits.shape[0], device=generator.device).exponential_(generator=generator)
-    noise = noise.to(logits.device).clamp_min(torch.finfo(noise.dtype).tiny)
-    return int(torch.argmax(logits - noise.log()))
+    # p(x) < min_p * p(max) is x - max < log(min_p): no softmax needed, and no underflow either.
+    with np.errstate(divide="ignore"):
+        threshold = logits.max(axis=1, keepdims=True) + np.log(_column(min_p))
+    out = logits if in_place else logits.copy()
+    np.putmask(out, out < threshold, _NEG_INF)
+    return out
 
 
 # --- helpers -------------------------------------------------------------------------------------------
 
 
 def _choose(
-    processed: torch.Tensor,
+    processed: FloatArray,
+    owned: bool,
     sequences: Sequence[SequenceSampling],
     drafts: Sequence[int | None] | None = None,
-    draft_probs: Sequence[torch.Tensor | None] | None = None,
+    draft_probs: Sequence[npt.ArrayLike | None] | None = None,
 ) -> list[int]:
     """Greedy rows take the argmax (first of ties: lowest id); the others are filtered and drawn (a
-    row with a draft by the rejection rule of `sample`)."""
-    chosen = torch.argmax(processed, dim=-1).tolist()
-    rows = [i for i, s in enumerate(sequences) if not s.params.greedy]
+    row with a draft by the rejection rule of `sample`). `owned`: `processed` may be changed."""
+    chosen = [0] * len(sequences)
+    rows = []
+    for i, s in enumerate(sequences):
+        if s.params.greedy:
+            chosen[i] = int(np.argmax(processed[i]))
+        else:
+            rows.append(i)
     if not rows:
         return chosen
     params = [sequences[i].params for i in rows]
-    filtered = apply_temperature(processed[rows], [p.temperature for p in params])
-    filtered = apply_top_k(filtered, [p.top_k for p in params])
-    filtered = apply_top_p(filtered, [p.top_p for p in params])
-    filtered = apply_min_p(filtered, [p.min_p for p in params])
+    filtered = processed if owned and len(rows) == len(sequences) else processed[rows]
+    filtered = _temperature(filtered, [p.temperature for p in params], in_place=True)
+    filtered = _top_k(filtered, [p.top_k for p in params], in_place=True)
+    filtered = _top_p(filtered, [p.top_p for p in params], in_place=True)
+    filtered = _min_p(filtered, [p.min_p for p in params], in_place=True)
     for j, i in enumerate(rows):
         draft = drafts[i] if drafts is not None else None
         generator = sequences[i].generator
         if draft is None:
             chosen[i] = draw(filtered[j], generator)
-            continue
-        p = torch.softmax(filtered[j], dim=-1)
-        q = draft_probs[i] if draft_probs is not None else None
-        keep = p[draft] if q is None else torch.clamp(p[draft] / q[draft], max=1.0)
-        if float(torch.rand((), generator=generator, device=generator.device)) < float(keep):
-            chosen[i] = draft
-            continue
-        residual = p.clone() if q is None else torch.clamp(p - q.to(p), min=0.0)
-        if q is None:
-            residual[draft] = 0.0
-        chosen[i] = draw(residual.log(), generator) if float(residual.sum()) > 0 else draft
+        else:
+            q = draft_probs[i] if draft_probs is not None else None
+            chosen[i] = _verify_draft(filtered[j], draft, q, generator)
     return chosen
 
 
-def _penalize_row(
-    logits: torch.Tensor,
-    prompt_ids: Sequence[int],
-    output_ids: Sequence[int],
-    presence: float,
-    frequency: float,
-    repetition: float,
-) -> torch.Tensor:
-    vocab_size = logits.shape[0]
-    output_counts = _counts(output_ids, vocab_size, logits.device)
-    if repetition != 1:
-        seen = (output_counts + _counts(prompt_ids, vocab_size, logits.device)) > 0
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalized, logits)
-    return logits - frequency * output_counts - presence * (output_counts > 0).to(logits.dtype)
+def _verify_draft(
+    logits: FloatArray, draft: int, q: npt.ArrayLike | None, generator: np.random.Generator
+) -> int:
+    """The draft with probability min(1, p(draft) / q(draft)), else a draw from norm(max(p - q, 0))."""
+    p = softmax(logits)
+    p_draft = float(p[draft])
+    q_draft = 1.0 if q is None else float(np.asarray(q)[draft])
+    keep = min(1.0, p_draft / q_draft) if q_draft > 0 else 1.0
+    if generator.random() < keep:
+        return draft
+    if q is None:
+        p[draft] = 0.0
+    else:
+        np.subtract(p, q, out=p)
+        np.maximum(p, 0.0, out=p)
+    if not float(p.sum()) > 0:
+        return draft
+    with np.errstate(divide="ignore"):
+        return draw(np.log(p), generator)
 
 
-def _counts(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+def _log_normalizers(logits: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Each row's max and log(sum(exp(logits - max))): its log-softmax is (logits - max) - that."""
+    maxes = logits.max(axis=1)
+    sums = np.empty_like(maxes)
+    for start in range(0, logits.shape[0], _NORMALIZER_ROWS):
+        end = start + _NORMALIZER_ROWS
+        shifted = logits[start:end] - maxes[start:end, None]
+        np.exp(shifted, out=shifted)
+        sums[start:end] = shifted.sum(axis=1)
+    return maxes, np.log(sums)
+
+
+def _logprobs(
+    row: FloatArray, row_max: np.float32, log_sum: np.float32, token_ids: Sequence[int]
+) -> FloatArray:
+    return (row[list(token_ids)] - row_max) - log_sum
+
+
+def _top_logprobs(
+    row: FloatArray, row_max: np.float32, log_sum: np.float32, token_id: int, num_top: int
+) -> TokenLogprobs:
+    """The top `num_top` tokens in rank order (ties: lowest id first), then the given token if it is not
+    among them."""
+    ids = _top_ids(row, num_top).tolist()
+    if token_id not in ids:
+        ids.append(token_id)
+    return dict(zip(ids, _logprobs(row, row_max, log_sum, ids).tolist(), strict=True))
+
+
+def _top_ids(row: FloatArray, k: int) -> IdArray:
+    vocab_size = row.shape[0]
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    if k < vocab_size:
+        kth = np.partition(row, vocab_size - k)[vocab_size - k]
+        above = np.flatnonzero(row > kth)
+        ids = np.concatenate([above, np.flatnonzero(row == kth)[: k - above.size]])
+    else:
+        ids = np.arange(vocab_size)
+    return ids[np.lexsort((ids, -row[ids]))]
+
+
+def _column(values: Sequence[float]) -> FloatArray:
+    return np.array(values, dtype=np.float32)[:, None]
+
+
+def _as_logits(logits: npt.ArrayLike) -> FloatArray:
+    return np.asarray(logits, dtype=np.float32)
+
+
+def _check_logits(logits: npt.ArrayLike, num_rows: int) -> FloatArray:
+    array = np.asarray(logits)
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"logits must be a floating [N, vocab] array, got {array.dtype} {array.shape}")
+    if array.shape[0] != num_rows:
+        raise ValueError(f"logits has {array.shape[0]} rows for {num_rows} sequences")
+    return array.astype(np.float32, copy=False)
+
+
+def _token_id_array(token_ids: Sequence[int], vocab_size: int) -> IdArray:
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         _check_token_ids(ids.tolist(), vocab_size, "prompt or output token ids")
-    return torch.bincount(ids, minlength=vocab_size).to(torch.float32)
-
-
-def _top_logprobs_if(logprobs: torch.Tensor, token_id: int, num_top: int | None) -> TokenLogprobs | None:
-    return None if num_top is None else _top_logprobs(logprobs, token_id, num_top)
-
-
-def _top_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """The top `num_top` tokens in rank order, then the given token if it is not among them."""
-    values, ids = logprobs.topk(num_top)
-    top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-    top.setdefault(token_id, float(logprobs[token_id]))
-    return top
-
-
-def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
-
-
-def _check_logits(logits: torch.Tensor, num_rows: int) -> torch.Tensor:
-    if logits.dim() != 2 or not logits.is_floating_point():
-        shape = tuple(logits.shape)
-        raise ValueError(f"logits must be a floating [N, vocab] tensor, got {logits.dtype} {shape}")
-    if logits.shape[0] != num_rows:
-        raise ValueError(f"logits has {logits.shape[0]} rows for {num_rows} sequences")
-    return logits.float()
+    return ids
 
 
 def _check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

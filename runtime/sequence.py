@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.outputs import TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
-    draft_probs: torch.Tensor | None = None  # [drafts, vocab]: what sampled drafts were drawn from
+    draft_probs: npt.NDArray[np.float32] | None = None  # [drafts, vocab]: what sampled drafts were drawn from
 
     @property
     def params(self) -> SamplingParams:

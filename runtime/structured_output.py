@@ -4,7 +4,8 @@ a matcher per sequence, and per step a token bitmask the sampler applies after t
 
 Grammars compile in a thread pool (xgrammar releases the GIL), so a server compiles off its engine
 loop; compiled grammars are cached. The bitmask covers the LM head's rows: tokens past the
-tokenizer's vocabulary are never allowed; the stop tokens only where the grammar may end.
+tokenizer's vocabulary are never allowed; the stop tokens only where the grammar may end. The
+bitmask is a numpy array; xgrammar, imported only once a constraint is used, imports torch itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.sampling_params import StructuredOutput
 
@@ -99,15 +101,13 @@ class Grammars:
 
         return xgrammar.GrammarMatcher(compiled)
 
-    def bitmask(self, matchers: list[Any | None]) -> torch.Tensor:
+    def bitmask(self, matchers: list[Any | None]) -> npt.NDArray[np.int32]:
         """int32 [rows, ceil(vocab / 32)]: bit j of word w allows token 32 w + j; unconstrained rows
         (None) allow every token."""
-        import xgrammar
-
-        mask = xgrammar.allocate_token_bitmask(len(matchers), self.vocab_size)
+        mask = np.full((len(matchers), -(-self.vocab_size // 32)), -1, dtype=np.int32)
         for row, matcher in enumerate(matchers):
             if matcher is not None:
-                matcher.fill_next_token_bitmask(mask, row)
+                matcher.fill_next_token_bitmask(mask, row)  # any CPU array with DLPack, numpy's too
         return mask
 
     def shutdown(self) -> None:

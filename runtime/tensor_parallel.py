@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from kiln.backends.base import BackendError, Executable
+from kiln.backends.base import BackendError, Executable, Logits
 from kiln.ir import StepInputs
 from kiln.runtime.weights_file import read_weights_file
 
@@ -58,16 +59,16 @@ def _pack(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     tables = inputs.block_tables
     header = torch.zeros(HEADER, dtype=torch.int64)
     header[:5] = torch.tensor(
-        [STEP, inputs.token_ids.numel(), tables.shape[0], tables.shape[1], inputs.logits_indices.numel()]
+        [STEP, inputs.token_ids.size, tables.shape[0], tables.shape[1], inputs.logits_indices.size]
     )
     parts = [getattr(inputs, name).reshape(-1) for name in FIELDS] + [inputs.logits_indices]
-    return header, torch.cat(parts).to(torch.int64)
+    return header, torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
 
 
 def _unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     tokens, seqs, width, logits = (int(v) for v in header[1:5])
     sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, logits]
-    pieces = list(torch.split(payload, sizes))
+    pieces = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
     pieces[3] = pieces[3].reshape(seqs, width)
     return StepInputs(**dict(zip((*FIELDS, "logits_indices"), pieces, strict=True)))
 
@@ -190,7 +191,7 @@ class TensorParallelExecutable:
         self._cache: torch.Tensor | None = None
         self._closed = False
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         self._check_workers()
         try:
             if kv_cache is not self._cache:

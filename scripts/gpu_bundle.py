@@ -224,8 +224,8 @@ def check_logits(executable: Any, program: Any) -> float:
     returned = []
     for number, slices in enumerate(steps):
         inputs = build_step_inputs(slices, BLOCK_SIZE)
-        expected = reference.step(inputs, host_cache)
-        got = executable.step(inputs, device_cache).cpu()
+        expected = torch.from_numpy(reference.step(inputs, host_cache))
+        got = torch.from_numpy(executable.step(inputs, device_cache))
         if not torch.isfinite(got).all():
             fail(f"step {number}: the CUDA logits are not finite")
         error = float((got - expected).abs().max() / expected.abs().max())
@@ -278,13 +278,15 @@ def step_against_decode(executable: Any) -> float:
 
     prompt = [1, 17, 300, 4000, 5, 99, 12345, 7, 8, 100, 2000, 30000, 77]
     first = executable.kv_cache_spec.allocate(4, BLOCK_SIZE, device="cuda")
-    whole = executable.step(build_step_inputs([SequenceSlice(prompt, 0, [1])], BLOCK_SIZE), first).cpu()
+    whole = torch.from_numpy(
+        executable.step(build_step_inputs([SequenceSlice(prompt, 0, [1])], BLOCK_SIZE), first)
+    )
     second = executable.kv_cache_spec.allocate(4, BLOCK_SIZE, device="cuda")
     executable.step(build_step_inputs([SequenceSlice(prompt[:-1], 0, [1])], BLOCK_SIZE), second)
     last = executable.step(
         build_step_inputs([SequenceSlice(prompt[-1:], len(prompt) - 1, [1])], BLOCK_SIZE), second
     )
-    last = last.cpu().float()
+    last = torch.from_numpy(last)
     if not (torch.isfinite(whole).all() and torch.isfinite(last).all()):
         fail("llama8b: logits are not finite")
     return float((whole.float()[-1] - last[-1]).abs().max() / last[-1].abs().max())

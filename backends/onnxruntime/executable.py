@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec
+from kiln.backends.base import BackendError, KVCacheSpec, Logits
 from kiln.backends.onnx import WeightBinding, materialize
 from kiln.ir import KV_CACHE_INPUT, StepInputs
 
@@ -95,11 +95,11 @@ class OnnxRuntimeExecutable:
         device, index = tensor.device.type, tensor.device.index or 0
         binding.bind_output(name, device, index, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         if not kv_cache.is_contiguous():
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()
-        given = {name: t.to(kv_cache.device).contiguous() for name, t in inputs.as_dict().items()}
+        given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in inputs.as_dict().items()}
         for name, tensor in given.items():
             self._bind_input(binding, name, tensor)
         self._bind_input(binding, KV_CACHE_INPUT, kv_cache)
@@ -118,7 +118,7 @@ class OnnxRuntimeExecutable:
         self.session.run_with_iobinding(binding)
         if new_kv is not None:
             self._write_cache(kv_cache, new_kv, given["slot_mapping"])
-        return logits.to("cpu", torch.float32)
+        return logits.to("cpu", torch.float32).numpy()
 
     @staticmethod
     def _write_cache(kv_cache: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:

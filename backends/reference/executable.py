@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.backends.base import KVCacheSpec
+from kiln.backends.base import KVCacheSpec, Logits
 from kiln.ir import KV_CACHE_INPUT, Graph, StepInputs, verify
 from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
@@ -21,7 +21,7 @@ class ReferenceExecutable:
         self.kv_cache_spec = KVCacheSpec.of_graph(graph)
         self._last_uses = last_uses(graph)
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         given = {**inputs.as_dict(), KV_CACHE_INPUT: kv_cache}
         (logits,) = interpret(self.graph, self.weights, given, self._last_uses)
-        return logits.to(torch.float32)
+        return logits.to(torch.float32).numpy()

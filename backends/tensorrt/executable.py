@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
+from kiln.backends.base import BackendError, KVCacheSpec, Logits, check_kv_cache_device
 from kiln.ir import KV_CACHE_INPUT, StepInputs
 
 
@@ -35,10 +35,10 @@ class TensorRTExecutable:
         self._vocab = int(self.engine.get_tensor_shape(self._logits)[-1])
         self._profile = meta.get("engine", {}).get("profile", {})  # each symbolic dim's (min, opt, max)
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         check_kv_cache_device(kv_cache, self.kv_cache_device)
         device = kv_cache.device
-        given = {name: t.to(device).contiguous() for name, t in inputs.as_dict().items()}
+        given = {name: torch.from_numpy(a).to(device) for name, a in inputs.as_dict().items()}
         given[KV_CACHE_INPUT] = kv_cache
         for name, tensor in given.items():
             if not self.context.set_input_shape(name, tuple(tensor.shape)):
@@ -68,4 +68,4 @@ class TensorRTExecutable:
             slots = given["slot_mapping"]
             written = slots >= 0
             flat[:, :, slots[written]] = new_kv[:, :, written]
-        return logits.to("cpu", torch.float32)
+        return logits.to("cpu", torch.float32).numpy()

@@ -25,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kiln.ir import StepInputs
+from kiln.ir.step import IndexArray
 
 DECODE_BUCKETS = (1, 4, 16, 64)
 
@@ -41,10 +43,10 @@ def decode_bucket(inputs: StepInputs) -> int | None:
     sequences = inputs.seq_lens.shape[0]
     if inputs.token_ids.shape[0] != sequences or inputs.logits_indices.shape[0] != sequences:
         return None
-    in_order = torch.arange(sequences + 1, dtype=torch.int64)
-    if not torch.equal(inputs.query_start_loc.cpu(), in_order):
+    in_order = np.arange(sequences + 1, dtype=np.int64)
+    if not np.array_equal(inputs.query_start_loc, in_order):
         return None
-    if not torch.equal(inputs.logits_indices.cpu(), in_order[:-1]):  # pad_decode asks for row i's
+    if not np.array_equal(inputs.logits_indices, in_order[:-1]):  # pad_decode asks for row i's
         return None
     return next((bucket for bucket in DECODE_BUCKETS if bucket >= sequences), None)
 
@@ -58,17 +60,11 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
     sequences = inputs.seq_lens.shape[0]
     extra = bucket - sequences
 
-    def padded(tensor: torch.Tensor, fill: int) -> torch.Tensor:
-        return torch.cat((tensor, torch.full((extra,), fill, dtype=tensor.dtype, device=tensor.device)))
+    def padded(array: IndexArray, fill: int) -> IndexArray:
+        return np.concatenate((array, np.full(extra, fill, dtype=np.int64)))
 
-    tables = torch.zeros((bucket, width), dtype=torch.int64, device=inputs.block_tables.device)
+    tables = np.zeros((bucket, width), dtype=np.int64)
     tables[:sequences, : inputs.block_tables.shape[1]] = inputs.block_tables
-    starts = torch.cat(
-        (
-            inputs.query_start_loc,
-            torch.full((extra,), sequences, dtype=torch.int64, device=inputs.query_start_loc.device),
-        )
-    )
     return replace(
         inputs,
         token_ids=padded(inputs.token_ids, 0),
@@ -76,8 +72,8 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
         slot_mapping=padded(inputs.slot_mapping, -1),
         block_tables=tables,
         seq_lens=padded(inputs.seq_lens, 0),
-        query_start_loc=starts,
-        logits_indices=torch.arange(bucket, dtype=torch.int64, device=inputs.logits_indices.device),
+        query_start_loc=padded(inputs.query_start_loc, sequences),
+        logits_indices=np.arange(bucket, dtype=np.int64),
     )
 
 
@@ -111,11 +107,11 @@ class Captured:
     kv_cache: torch.Tensor  # held so that its address, part of the key, is not reused
 
 
-Capture = Callable[[Any, list[torch.Tensor], torch.Tensor], Captured]
+Capture = Callable[[Any, list[IndexArray], torch.Tensor], Captured]
 
 
-def capture_cuda_graph(executable: Any, host: list[torch.Tensor], kv_cache: torch.Tensor) -> Captured:
-    tensors = [t.to(kv_cache.device) for t in host]
+def capture_cuda_graph(executable: Any, host: list[IndexArray], kv_cache: torch.Tensor) -> Captured:
+    tensors = [torch.from_numpy(array).to(kv_cache.device) for array in host]
     executable.call(tensors, kv_cache)  # warm-up: the VM's pool holds every buffer the step needs
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

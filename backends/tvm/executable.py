@@ -17,15 +17,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec, check_kv_cache_device
+from kiln.backends.base import BackendError, KVCacheSpec, Logits, check_kv_cache_device
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kiln.backends.tvm.layouts import apply_layout, stored_name
 from kiln.backends.tvm.staging import ALIGNMENT, InputStaging
 from kiln.ir import StepInputs
 from kiln.ir.deferred import Weight, materialize
+from kiln.ir.step import IndexArray
 
 ROW_BLOCK = 4
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
@@ -106,27 +109,37 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _pad_rows(tensor: torch.Tensor, fill: int, minimum: int = ROW_BLOCK) -> torch.Tensor:
-    rows = max(minimum, -(-tensor.shape[0] // ROW_BLOCK) * ROW_BLOCK)
-    if rows == tensor.shape[0]:
-        return tensor.reshape(-1, ROW_BLOCK)
-    padded = torch.full((rows,), fill, dtype=tensor.dtype, device=tensor.device)
-    padded[: tensor.shape[0]] = tensor
+def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """`array` contiguous at a 64-byte aligned address (numpy's allocator aligns to 16), copied if not."""
+    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+        return array
+    raw = np.empty(array.nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    copy = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+def _pad_rows(array: IndexArray, fill: int, minimum: int = ROW_BLOCK) -> IndexArray:
+    rows = max(minimum, -(-array.shape[0] // ROW_BLOCK) * ROW_BLOCK)
+    padded = np.full(rows + ALIGNMENT // 8, fill, dtype=np.int64)
+    padded = padded[-padded.ctypes.data % ALIGNMENT // 8 :][:rows]
+    padded[: array.shape[0]] = array
     return padded.reshape(-1, ROW_BLOCK)
 
 
-def step_tensors(inputs: StepInputs) -> list[torch.Tensor]:
-    """The compiled function's input tensors before the cache (rows padded), then `row_counts`."""
+def step_tensors(inputs: StepInputs) -> list[IndexArray]:
+    """The compiled function's host inputs before the cache (rows padded), then `row_counts`."""
     num_logits = inputs.logits_indices.shape[0]
     return [
         _pad_rows(inputs.token_ids, 0),
         _pad_rows(inputs.positions, 0),
         _pad_rows(inputs.slot_mapping, -1),
-        aligned(inputs.block_tables),
-        aligned(inputs.seq_lens),
-        aligned(inputs.query_start_loc),
+        host_aligned(inputs.block_tables),
+        host_aligned(inputs.seq_lens),
+        host_aligned(inputs.query_start_loc),
         _pad_rows(inputs.logits_indices, 0),
-        torch.tensor([inputs.token_ids.shape[0], num_logits], dtype=torch.int64),
+        np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64),
     ]
 
 
@@ -196,24 +209,24 @@ class TVMExecutable:
                 hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
             ) from None
 
-    def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
+    def step_tensors(self, inputs: StepInputs) -> list[IndexArray]:
         return step_tensors(inputs)
 
-    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`step_tensors`' host tensors on the executable's device, in one copy (staging.py)."""
-        return self.staging.upload(tensors)
+    def upload(self, arrays: list[IndexArray]) -> list[torch.Tensor]:
+        """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
+        return self.staging.upload(arrays)
 
-    def call(self, tensors: list[torch.Tensor], kv_cache: torch.Tensor) -> Any:
-        """Run `decode` (one row block) or `step` on device tensors from `step_tensors`."""
+    def call(self, tensors: list[Any], kv_cache: torch.Tensor) -> Any:
+        """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads."""
         ffi = self.ffi
         *inputs, row_counts = tensors
-        packed = [ffi.from_dlpack(aligned(a)) for a in inputs]
+        packed = [ffi.from_dlpack(a) for a in inputs]
         packed += [ffi.from_dlpack(kv_cache), ffi.from_dlpack(row_counts)]
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         return function(*packed, *self._weight_args)
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         if kv_cache.dtype != self.kv_cache_spec.dtype:
             raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
         if kv_cache.data_ptr() % ALIGNMENT or not kv_cache.is_contiguous():
@@ -226,12 +239,11 @@ class TVMExecutable:
             if self.graphs is not None:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:
-                    return replayed.to("cpu", torch.float32)
-            tensors = self.upload(self.step_tensors(inputs))
-        else:
-            tensors = self.step_tensors(inputs)
-        logits = torch.from_dlpack(self.call(tensors, kv_cache))[:num_logits]
-        return logits.to("cpu", torch.float32)
+                    return replayed.to("cpu", torch.float32).numpy()
+            logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache))
+            return logits[:num_logits].to("cpu", torch.float32).numpy()
+        logits = np.from_dlpack(self.call(self.step_tensors(inputs), kv_cache))[:num_logits]
+        return logits.astype(np.float32, copy=False)
 
 
 def set_threads(num_threads: int | None) -> None:

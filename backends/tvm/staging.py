@@ -13,6 +13,10 @@ dtypes and shapes are tested on any machine; page-locking itself needs a CUDA bu
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 import torch
 
 ALIGNMENT = 64  # bytes: every view starts where the compiled kernels' aligned loads want it
@@ -30,8 +34,9 @@ class InputStaging:
         self.on_device = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._copied: torch.cuda.Event | None = None  # the last copy out of `host`
 
-    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Device views holding `tensors`' values, valid until the next upload."""
+    def upload(self, arrays: list[npt.NDArray[Any]]) -> list[torch.Tensor]:
+        """Device views holding `arrays`' values, valid until the next upload."""
+        tensors = [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
         offsets = []
         total = 0
         for tensor in tensors:
@@ -42,7 +47,8 @@ class InputStaging:
         self._reserve(total)
         for offset, tensor in zip(offsets, tensors, strict=True):
             size = tensor.numel() * tensor.element_size()
-            self.host[offset : offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            if size:
+                self.host[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
         self.on_device[:total].copy_(self.host[:total], non_blocking=self.pin)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

@@ -7,7 +7,8 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Sequence as EngineSequence
@@ -19,7 +20,7 @@ SPEC_LOG_EVERY = 200  # speculating sequence-steps between acceptance log lines
 
 # Samples a [1, vocab] logits row (one with a draft, given the q it was drawn from, by the rejection rule),
 # appends the token to the sequence, and returns it.
-SampleRow = Callable[[torch.Tensor, int | None, torch.Tensor | None], int]
+SampleRow = Callable[[npt.NDArray[np.float32], int | None, npt.NDArray[np.float32] | None], int]
 
 
 @dataclass
@@ -65,7 +66,9 @@ class SpeculativeDecoder:
         """After scheduling, before the step: the proposer settles the scheduled drafts."""
         self.proposer.scheduled(chunks, block_table, running)
 
-    def verify(self, seq: EngineSequence, rows: torch.Tensor, num_drafts: int, sample_row: SampleRow) -> int:
+    def verify(
+        self, seq: EngineSequence, rows: npt.NDArray[np.float32], num_drafts: int, sample_row: SampleRow
+    ) -> int:
         """Sample `rows` (the last real token's, then each draft's) in order while the token equals the
         next draft; returns how many drafts were accepted."""
         drafts = seq.draft_token_ids[:num_drafts]

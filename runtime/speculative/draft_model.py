@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.ir.step import SequenceSlice, build_step_inputs
-from kiln.runtime.sampler import draw, make_generator
+from kiln.runtime.sampler import draw, make_generator, softmax
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Sequence as EngineSequence
 
@@ -31,7 +32,7 @@ from kiln.runtime.sequence import Sequence as EngineSequence
 class _DraftState:
     computed: int  # leading tokens with the draft's K/V in the cache
     preemptions: int  # the sequence's num_preemptions when `computed` was set
-    generator: torch.Generator | None  # sampled requests' draws; None for greedy ones
+    generator: np.random.Generator | None  # sampled requests' draws; None for greedy ones
 
 
 class DraftModelProposer:
@@ -71,7 +72,7 @@ class DraftModelProposer:
             )
             state.computed = end
         tokens: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in speculating}
-        probs: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in speculating}
+        probs: dict[str, list[npt.NDArray[np.float32]]] = {seq.seq_id: [] for seq, _ in speculating}
         logits = self._step(first)
         rows = {chunk.seq: row for row, chunk in enumerate(chunks)}
         for step in range(max((count for _, count in speculating), default=0)):
@@ -92,11 +93,11 @@ class DraftModelProposer:
                 state.computed = seq.num_computed_tokens + step + 1
         for seq, _ in speculating:
             seq.draft_token_ids = tokens[seq.seq_id]
-            seq.draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+            seq.draft_probs = np.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
 
-    def _step(self, slices: list[SequenceSlice]) -> torch.Tensor:
+    def _step(self, slices: list[SequenceSlice]) -> npt.NDArray[np.float32]:
         logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
-        return logits[:, : self.vocab_size].float()
+        return np.asarray(logits, dtype=np.float32)[:, : self.vocab_size]
 
     def _state(self, seq: EngineSequence, start: int) -> _DraftState:
         """The sequence's draft state; a new one trusts the `start` tokens the scheduler found computed
@@ -114,9 +115,9 @@ class DraftModelProposer:
 
     @staticmethod
     def _choose(
-        logits: torch.Tensor, seq: EngineSequence, state: _DraftState
-    ) -> tuple[int, torch.Tensor | None]:
+        logits: npt.NDArray[np.float32], seq: EngineSequence, state: _DraftState
+    ) -> tuple[int, npt.NDArray[np.float32] | None]:
         if state.generator is None:
-            return int(torch.argmax(logits)), None
-        scaled = logits / seq.params.temperature
-        return draw(scaled, state.generator), torch.softmax(scaled, dim=-1)
+            return int(np.argmax(logits)), None
+        scaled = logits / np.float32(seq.params.temperature)
+        return draw(scaled, state.generator), softmax(scaled)

@@ -173,7 +173,13 @@ def run_ragged(executables: list[Executable], seed: int) -> list[list[torch.Tens
     results = []
     for executable in executables:
         cache = executable.kv_cache_spec.allocate(RAGGED_CACHE_BLOCKS, BLOCK_SIZE)
-        results.append([executable.step(first, cache), executable.step(second, cache), cache])
+        results.append(
+            [
+                torch.from_numpy(executable.step(first, cache)),
+                torch.from_numpy(executable.step(second, cache)),
+                cache,
+            ]
+        )
     return results
 
 

@@ -97,7 +97,7 @@ def _logits(executable, num_rows: int) -> torch.Tensor:
     )
     blocks = list(range(1, -(-num_rows // 16) + 1))
     inputs = build_step_inputs([SequenceSlice(tokens.tolist(), 0, blocks, list(range(num_rows)))], 16)
-    return executable.step(inputs, executable.kv_cache_spec.allocate(len(blocks) + 1, 16))
+    return torch.from_numpy(executable.step(inputs, executable.kv_cache_spec.allocate(len(blocks) + 1, 16)))
 
 
 def test_tvm_and_onnxruntime_match_the_reference(tmp_path: Path, random_gguf_blocks) -> None:

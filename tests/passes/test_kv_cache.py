@@ -94,7 +94,7 @@ def _errors_against_a_float32_cache(narrow: Program, seed: int) -> tuple[list[fl
     for program in (_program(), narrow):
         executable = ReferenceExecutable(program.graph, program.weights)
         cache = executable.kv_cache_spec.allocate(4, 16)
-        runs.append([executable.step(inputs, cache) for inputs in steps])
+        runs.append([torch.from_numpy(executable.step(inputs, cache)) for inputs in steps])
         cache_dtypes.append(cache.dtype)
     float32_logits, narrow_logits = runs
     errors = [

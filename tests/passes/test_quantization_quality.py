@@ -29,7 +29,7 @@ def perplexity(program: Program, token_ids: list[int]) -> float:
         blocks = list(range(1, WINDOW // 16 + 1))
         cache = executable.kv_cache_spec.allocate(len(blocks) + 1, 16)
         inputs = build_step_inputs([SequenceSlice(window, 0, blocks, logits_at=range(len(window) - 1))], 16)
-        logprobs = torch.log_softmax(executable.step(inputs, cache), dim=-1)
+        logprobs = torch.log_softmax(torch.from_numpy(executable.step(inputs, cache)), dim=-1)
         targets = torch.tensor(window[1:])
         total_nll -= float(logprobs.gather(1, targets[:, None]).sum())
         count += len(window) - 1

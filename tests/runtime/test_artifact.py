@@ -6,8 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from kiln.runtime.artifact import ArtifactError, is_artifact, load_artifact, probe_logits, seal
 
@@ -38,7 +38,7 @@ def test_a_good_artifact_loads_and_matches_its_probe(compiled: Path) -> None:
     assert is_artifact(compiled)
     artifact = load_artifact(compiled)
     now, recorded = probe_logits(artifact)
-    assert torch.equal(now, recorded)
+    assert np.array_equal(now, recorded)
     assert artifact.target.name == "cpu" and artifact.max_model_len == 128
 
 

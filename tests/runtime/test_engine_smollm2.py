@@ -123,8 +123,11 @@ def test_prompt_logprobs_match_a_direct_computation(smollm2_o2) -> None:
     direct = smollm2_o2.executable.kv_cache_spec.allocate(4, 16)
     from kiln.ir.step import SequenceSlice, build_step_inputs
 
-    rows = smollm2_o2.executable.step(
-        build_step_inputs([SequenceSlice(prompt, 0, [1, 2], logits_at=range(len(prompt) - 1))], 16), direct
+    rows = torch.from_numpy(
+        smollm2_o2.executable.step(
+            build_step_inputs([SequenceSlice(prompt, 0, [1, 2], logits_at=range(len(prompt) - 1))], 16),
+            direct,
+        )
     )
     expected = torch.log_softmax(rows, dim=-1)
     for position, entry in enumerate(output.prompt_logprobs[1:]):

@@ -5,8 +5,8 @@ other requests, sampled ones included), and sampled tokens distributed as withou
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 import kiln
 from kiln.runtime.sampling_params import SamplingParams
@@ -124,12 +124,12 @@ def test_drafts_drawn_from_q_keep_the_distribution() -> None:
     reject at p = 0.001, and the draft is kept at the rate sum(min(p, q)) (within 5 standard deviations)."""
     from scipy.stats import chi2_contingency
 
-    from kiln.runtime.sampler import SequenceSampling, draw, make_generator, sample
+    from kiln.runtime.sampler import SequenceSampling, draw, make_generator, sample, softmax
 
-    logits = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]])
-    draft_logits = torch.tensor([0.0, 2.0, 1.0, 1.5, -1.0, 0.5])
-    q = torch.softmax(draft_logits, -1)
-    p = torch.softmax(logits[0], -1)
+    logits = np.array([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]], dtype=np.float32)
+    draft_logits = np.array([0.0, 2.0, 1.0, 1.5, -1.0, 0.5], dtype=np.float32)
+    q = softmax(draft_logits)
+    p = softmax(logits[0])
     params = SamplingParams(temperature=1.0)
     draws = 6000
     plain: dict[int, int] = {}
@@ -145,7 +145,7 @@ def test_drafts_drawn_from_q_keep_the_distribution() -> None:
         kept += token.token_id == draft
     tokens = sorted(set(plain) | set(verified))
     assert chi2_contingency([[t.get(k, 0) for k in tokens] for t in (plain, verified)]).pvalue > 0.001
-    rate = float(torch.minimum(p, q).sum())
+    rate = float(np.minimum(p, q).sum())
     assert abs(kept - draws * rate) < 5 * (draws * rate * (1 - rate)) ** 0.5
 
 
@@ -157,16 +157,17 @@ def test_sampled_tokens_keep_their_distribution(tiny_model) -> None:
     from scipy.stats import chi2_contingency
 
     from kiln.ir.step import SequenceSlice, build_step_inputs
-    from kiln.runtime.sampler import SequenceSampling, make_generator, sample
+    from kiln.runtime.sampler import SequenceSampling, make_generator, sample, softmax
 
     executable, _ = tiny_model
     cache = executable.kv_cache_spec.allocate(8, 4)
-    logits = executable.step(build_step_inputs([SequenceSlice([5, 6, 7, 8, 9], 0, [1, 2])], 4), cache)
+    step = executable.step(build_step_inputs([SequenceSlice([5, 6, 7, 8, 9], 0, [1, 2])], 4), cache)
+    logits = np.asarray(step, dtype=np.float32)
     params = SamplingParams(temperature=1.0, top_k=8)
-    probs = torch.softmax(logits[0], -1)
-    top = torch.topk(probs, 8)
-    kept = top.values / top.values.sum()
-    draft = int(top.indices[1])
+    probs = softmax(logits[0])
+    top = np.argsort(-probs, kind="stable")[:8]
+    kept = probs[top] / probs[top].sum()
+    draft = int(top[1])
     draws = 4000
     tallies = []
     for drafts in (None, [draft]):

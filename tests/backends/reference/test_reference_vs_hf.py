@@ -41,13 +41,13 @@ def test_ragged_batch_matches_transformers(tiny_kind: str, tmp_path: Path, tiny_
     kv_cache = executable.kv_cache_spec.allocate(10, 16)
 
     # step 1: a and c prefill their first 20 and 10 tokens.
-    logits = executable.step(first, kv_cache)
+    logits = torch.from_numpy(executable.step(first, kv_cache))
     for row, (name, length) in enumerate((("a", 20), ("c", 10))):
         expected = _hf_last_logits(hf_model, tokens[name][:length])
         assert _relative_error(logits[row], expected) < TOLERANCE, (kind, name)
 
     # step 2: a decodes, b prefills from scratch, c continues its prefill across two block boundaries.
-    logits = executable.step(second, kv_cache)
+    logits = torch.from_numpy(executable.step(second, kv_cache))
     assert logits.shape == (3, 256) and logits.dtype == torch.float32
     for row, name in enumerate(("a", "b", "c")):
         expected = _hf_last_logits(hf_model, tokens[name])
@@ -83,7 +83,7 @@ def test_longrope_within_the_original_context_takes_the_short_factors(
     tokens, first, second = ragged(7)
     kv_cache = executable.kv_cache_spec.allocate(10, 16)
     executable.step(first, kv_cache)
-    logits = executable.step(second, kv_cache)
+    logits = torch.from_numpy(executable.step(second, kv_cache))
     for row, name in enumerate(("a", "b", "c")):
         expected = _hf_last_logits(hf_model, tokens[name])
         assert _relative_error(logits[row], expected) < TOLERANCE, name

@@ -43,7 +43,7 @@ def test_prefill_logits_match_transformers(smollm2_built, smollm2_hf) -> None:
     prompt_ids = torch.randint(100, smollm2_built.config.vocab_size, (40,), generator=generator).tolist()
     kv_cache = smollm2_built.executable.kv_cache_spec.allocate(4, 16)
     inputs = build_step_inputs([SequenceSlice(prompt_ids, 0, [3, 1, 2])], 16)
-    ours = smollm2_built.executable.step(inputs, kv_cache)[0]
+    ours = torch.from_numpy(smollm2_built.executable.step(inputs, kv_cache))[0]
     with torch.no_grad():
         theirs = smollm2_hf(torch.tensor([prompt_ids])).logits[0, -1]
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < 1e-4

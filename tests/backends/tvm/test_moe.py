@@ -49,7 +49,12 @@ def test_quantized_experts_match_the_reference(
     for step in range(2):
         assert _relative_error(ours[step], theirs[step]) < QUANTIZED_TOLERANCE, (kind, step)
     decode = build_step_inputs([SequenceSlice([7], 20, [3, 7])], BLOCK_SIZE)
-    assert _relative_error(tvm.step(decode, ours[2]), reference.step(decode, theirs[2])) < QUANTIZED_TOLERANCE
+    assert (
+        _relative_error(
+            torch.from_numpy(tvm.step(decode, ours[2])), torch.from_numpy(reference.step(decode, theirs[2]))
+        )
+        < QUANTIZED_TOLERANCE
+    )
 
 
 def _chosen_experts(reference: ReferenceExecutable, step, cache, monkeypatch) -> list[set[int]]:
@@ -98,9 +103,9 @@ def test_decode_reads_only_the_chosen_experts(
     cache = reference.kv_cache_spec.allocate(2, BLOCK_SIZE)
     chosen = _chosen_experts(reference, token, cache, monkeypatch)
     assert chosen and all(len(experts) == 2 for experts in chosen)
-    expected = reference.step(token, reference.kv_cache_spec.allocate(2, BLOCK_SIZE))
+    expected = torch.from_numpy(reference.step(token, reference.kv_cache_spec.allocate(2, BLOCK_SIZE)))
     tvm = tvm_compile(_poisoned(program, chosen), tmp_path / "tvm")
-    logits = tvm.step(token, tvm.kv_cache_spec.allocate(2, BLOCK_SIZE))
+    logits = torch.from_numpy(tvm.step(token, tvm.kv_cache_spec.allocate(2, BLOCK_SIZE)))
     assert torch.isfinite(logits).all()
     tolerance = TOLERANCE if quantization is None else QUANTIZED_TOLERANCE
     assert _relative_error(logits, expected) < tolerance
