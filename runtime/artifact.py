@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from safetensors.numpy import load_file
 
-from kiln.backends.base import Executable, allocate_kv_cache
+from kiln.backends.base import Executable, Logits, allocate_kv_cache
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
@@ -408,7 +406,7 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
             libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
 
 
-def probe_logits(artifact: LoadedArtifact) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32] | None]:
+def probe_logits(artifact: LoadedArtifact) -> tuple[Logits, Logits | None]:
     """(logits now, logits recorded at compile time) for the artifact's probe prompt."""
     from kiln.ir.step import SequenceSlice, build_step_inputs
 

@@ -109,22 +109,28 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialised array at a 64-byte aligned address (numpy's allocator aligns to 16)."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """`array` contiguous at a 64-byte aligned address (numpy's allocator aligns to 16), copied if not."""
+    """`array` contiguous at a 64-byte aligned address, copied if it is not."""
     if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
         return array
-    raw = np.empty(array.nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    copy = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy = _aligned_empty(array.shape, array.dtype)
     copy[...] = array
     return copy
 
 
 def _pad_rows(array: IndexArray, fill: int, minimum: int = ROW_BLOCK) -> IndexArray:
     rows = max(minimum, -(-array.shape[0] // ROW_BLOCK) * ROW_BLOCK)
-    padded = np.full(rows + ALIGNMENT // 8, fill, dtype=np.int64)
-    padded = padded[-padded.ctypes.data % ALIGNMENT // 8 :][:rows]
+    padded = _aligned_empty((rows,), np.dtype(np.int64))
     padded[: array.shape[0]] = array
+    padded[array.shape[0] :] = fill
     return padded.reshape(-1, ROW_BLOCK)
 
 
