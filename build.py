@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kiln.backends.base import Executable
 from kiln.backends.reference import ReferenceExecutable
+from kiln.compiler.options import PipelineOptions
+from kiln.console import Progress
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.load import load_model
@@ -22,23 +23,6 @@ from kiln.ir import Program, print_graph
 from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
 from kiln.passes.shard import shard_with_blocks
 from kiln.runtime.tokenizer import Tokenizer
-
-Progress = Callable[[str, float], None]  # (stage that just ended, seconds it took)
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """What the pass pipeline is asked for: level, weight quantization (None, "int8", "int4", "gguf": a
-    GGUF's own blocks), int4 group size, float dtype, KV cache dtype (None: the float dtype)."""
-
-    opt_level: int = 2
-    quantization: str | None = None
-    group_size: int = 32
-    dtype: str = "f32"
-    context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
-    tensor_parallel_size: int = 1
-    rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
-    kv_cache_dtype: str | None = None  # or "fp8_e4m3": a float8 cache with calibrated scales
 
 
 @dataclass

@@ -4,11 +4,11 @@ plain line per stage elsewhere (logs, CI, pipes)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from kiln.build import Progress
+Progress = Callable[[str, float], None]  # (stage that just ended, seconds it took)
 
 
 def _done(stages: list[str], stage: str) -> int:

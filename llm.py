@@ -14,20 +14,10 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kiln.build import Progress
-from kiln.compiler import (
-    ModelOptions,
-    OptionsError,
-    OutputError,
-    check_artifact_options,
-    compile_stages,
-    load_or_compile,
-    resolve,
-    verdicts_folder,
-)
-from kiln.console import stage_progress
+from kiln.compiler.options import ModelOptions, OptionsError, check_artifact_options
+from kiln.frontend.pull import kiln_home
 from kiln.runtime.artifact import (
     LoadedArtifact,
     close_executable,
@@ -41,6 +31,9 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kiln.console import Progress
 
 Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
@@ -57,7 +50,7 @@ def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtif
         return load_artifact(
             path,
             target=options.target,
-            verdicts=verdicts_folder(),
+            verdicts=kiln_home() / "verified",  # compiler.cache.verdicts_folder()
             tensor_parallel_size=options.tensor_parallel_size,
         )
     if torchrun_rank() is not None:
@@ -65,6 +58,8 @@ def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtif
             f"{options.model}: under torchrun, ranks run an artifact folder, not a model to compile",
             hint="compile it first: kiln compile MODEL --tensor-parallel-size N -o DIR; give every node DIR",
         )
+    from kiln.compiler import OutputError, load_or_compile, resolve
+
     plan = resolve(options)
 
     @contextmanager
@@ -80,6 +75,9 @@ def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtif
             f"kiln: first start of {plan.model}: compiling for {plan.backend} {targets} ({plan.reason}), "
             f"quantization {plan.quantization or 'none'}{ranks}, into {folder}"
         )
+        from kiln.compiler import compile_stages  # the compiler, only when it compiles
+        from kiln.console import stage_progress
+
         with stage_progress(title, compile_stages(plan.targets)) as progress:
             yield progress
 

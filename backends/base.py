@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 from kiln.backends.targets import FLOAT8_HINT, Target, bfloat16_refusal, float8_kv_cache_refusal
 from kiln.errors import KilnError
-from kiln.ir import DTYPES, KV_CACHE_INPUT, Graph, Program, StepInputs
-from kiln.ir.step import Logits
+from kiln.ir.host_arrays import HOST_DTYPES, device_of
+from kiln.ir.step import KV_CACHE_INPUT, Logits, StepInputs
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.ir import Graph, Program
+
+KVCache = Any  # a numpy array on the host (KVCacheSpec.allocate), a torch tensor on a GPU
 
 
 class BackendError(KilnError):
@@ -168,23 +176,28 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: str  # the IR dtype name: f32, f16, bf16, f8e4m3
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * self.element_size
 
-    def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Zeros. On the host: an anonymous mapping (page-aligned, untouched zero pages), so a block costs
-        resident memory only once it is written, in 4 KiB pages."""
+    def allocate(self, num_blocks: int, block_size: int, device: str = "cpu") -> KVCache:
+        """Zeros. On the host a numpy array over an anonymous mapping (page-aligned, untouched zero
+        pages), so a block costs resident memory only once it is written, in 4 KiB pages; on a GPU a
+        torch tensor."""
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if torch.device(device).type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=device)
+        if str(device).split(":")[0] != "cpu":
+            import torch
+
+            from kiln.ir.types import DTYPES
+
+            return torch.zeros(shape, dtype=DTYPES[self.dtype], device=device)
         pages = mmap.mmap(-1, math.prod(shape) * self.element_size)
-        return torch.frombuffer(pages, dtype=self.dtype).view(shape)
+        return np.frombuffer(pages, HOST_DTYPES[self.dtype]).reshape(shape)
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return np.dtype(HOST_DTYPES[self.dtype]).itemsize
 
     @classmethod
     def of_graph(cls, graph: Graph) -> KVCacheSpec:
@@ -192,7 +205,7 @@ class KVCacheSpec:
         layers, _, _, _, kv_heads, head_dim = cache.shape
         if not all(isinstance(d, int) for d in (layers, kv_heads, head_dim)):
             raise BackendError(f"kv_cache input {cache.text()} must have fixed layers, kv heads and head dim")
-        return cls(int(layers), int(kv_heads), int(head_dim), DTYPES[cache.dtype])
+        return cls(int(layers), int(kv_heads), int(head_dim), cache.dtype)
 
 
 class Executable(Protocol):
@@ -202,7 +215,7 @@ class Executable(Protocol):
 
     kv_cache_spec: KVCacheSpec
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
         """Logits [L, vocab] (a row per `inputs.logits_indices`), float32, on the host."""
         ...
 
@@ -220,16 +233,16 @@ def held_weight_bytes(executable: Executable) -> dict[str, int] | None:
     return dict(held) if held is not None else None
 
 
-def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> torch.Tensor:
+def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> KVCache:
     """A zeroed KV cache of `num_blocks` blocks for `executable`, where it reads it."""
     return executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))
 
 
-def check_kv_cache_device(kv_cache: torch.Tensor, device: str) -> None:
+def check_kv_cache_device(kv_cache: KVCache, device: str) -> None:
     """Refuse a cache that is not where the executable reads it (there are no copies behind it)."""
-    if kv_cache.device.type != device:
+    if device_of(kv_cache) != device:
         raise BackendError(
-            f"the KV cache is on {kv_cache.device.type}; this executable reads it on {device}",
+            f"the KV cache is on {device_of(kv_cache)}; this executable reads it on {device}",
             hint="allocate it with kiln.backends.base.allocate_kv_cache (or kv_cache_spec.allocate(..., "
             "device=executable.kv_cache_device))",
         )
@@ -264,10 +277,13 @@ class Backend(Protocol):
 
 
 def leave_cores_to_compiled_code() -> None:
-    """Called when a compiled CPU executable loads: torch runs one thread from then on.
+    """Called when a compiled CPU executable loads: torch, where this process has it, runs one thread.
 
-    The runtime's own torch work per step (step inputs, sampling) is small, but torch's OpenMP pool
-    spin-waits after each parallel op on the cores the backend's worker threads need: through
-    `kiln.LLM`, SmolLM2's decode on TVM went from 87 to 185 tok/s on 2 cores with one torch thread.
+    torch's OpenMP pool spin-waits after each parallel op on the cores the backend's worker threads
+    need: when the runtime's host work was torch's, SmolLM2's decode on TVM went from 87 to 185 tok/s on
+    2 cores with one torch thread. The runtime's host work is numpy now; a torch-based backend (the
+    reference, ONNX Runtime's weight bindings) or the compiler in the same process still imports it.
     """
-    torch.set_num_threads(1)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)

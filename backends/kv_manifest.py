@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.backends.base import KVCacheSpec
-from kiln.ir import DTYPES, Graph
-from kiln.ir.types import DTYPE_OF_TORCH
+from kiln.ir import Graph
 
 
 def kv_cache_fields(graph: Graph) -> dict[str, Any]:
@@ -18,7 +17,7 @@ def kv_cache_fields(graph: Graph) -> dict[str, Any]:
         "num_layers": spec.num_layers,
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
-        "dtype": DTYPE_OF_TORCH[spec.dtype],
+        "dtype": spec.dtype,
     }
 
 
@@ -28,5 +27,5 @@ def kv_cache_spec(fields: Mapping[str, Any]) -> KVCacheSpec:
         int(fields["num_layers"]),
         int(fields["num_kv_heads"]),
         int(fields["head_dim"]),
-        DTYPES[fields["dtype"]],
+        str(fields["dtype"]),
     )

@@ -16,10 +16,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 from kiln.backends.registry import get_backend
-from kiln.build import Progress
-from kiln.compiler.codegen import compile_model
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import source_digest
+from kiln.console import Progress
 from kiln.frontend.pull import kiln_home, resolve_model
 from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
 from kiln.version import __version__
@@ -88,6 +87,8 @@ def load_or_compile(plan: Plan, progress_for: ProgressFor | None = None) -> Load
                 logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
         damaged = is_artifact(folder)  # replace it; otherwise a concurrent compile's entry is as good as ours
         with progress_for(folder) if progress_for is not None else nullcontext() as progress:
+            from kiln.compiler.codegen import compile_model  # the compiler only on a miss
+
             compile_model(plan, folder, progress=progress, keep_existing=not damaged)
         _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
         return load_artifact(folder, verdicts=verdicts_folder())

@@ -12,13 +12,18 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import FLOAT8_KV_CACHE
 from kiln.backends.registry import BACKEND_NAMES
 from kiln.errors import UsageError
 from kiln.passes.base import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from kiln.runtime.artifact import read_manifest
 from kiln.runtime.speculative import SpeculativeConfig
+
+DEFAULT_DTYPE = "f32"
+DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
 
 AUTO = "auto"
 COMMANDS = frozenset({"compile", "serve", "generate"})
@@ -249,3 +254,46 @@ def _speculative(value: str | Mapping[str, Any]) -> SpeculativeConfig:
             hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or '
             '{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}',
         ) from None
+
+
+def check_artifact_options(folder: Path, options: ModelOptions) -> None:
+    """An artifact runs as it was compiled: compiled options asked for explicitly must be what it holds."""
+    manifest = read_manifest(folder)
+    held_options = {**_OLDER_MANIFESTS, **manifest["compile"]}
+    backends = sorted({entry["backend"] for entry in manifest["targets"].values()})
+    for name, value in options.asked().items():
+        held = backends if name == "backend" else [_as_asked(name, held_options)]
+        if value not in held:
+            flag = flag_name(name)
+            raise OptionsError(
+                f"{folder} is an artifact compiled with {name} {', '.join(map(str, held))}, not {value}",
+                hint=f"drop {flag} to run it as compiled, or compile the model again with {flag} {value}",
+            )
+
+
+# what a manifest means where it lacks a field (written before the option existed)
+_OLDER_MANIFESTS = {"activation_bits": DEFAULT_ACTIVATION_BITS, "tensor_parallel_size": 1}
+
+
+def _as_asked(name: str, held_options: dict[str, Any]) -> Any:
+    """A manifest's value as an option would ask for it (float weights: none; a KV cache in the float
+    dtype: that dtype)."""
+    held = held_options.get(name)
+    if name == "kv_cache_dtype" and held is None:
+        return held_options.get("dtype", DEFAULT_DTYPE)
+    return "none" if held is None else held
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the pass pipeline is asked for: level, weight quantization (None, "int8", "int4", "gguf": a
+    GGUF's own blocks), int4 group size, float dtype, KV cache dtype (None: the float dtype)."""
+
+    opt_level: int = 2
+    quantization: str | None = None
+    group_size: int = 32
+    dtype: str = "f32"
+    context_len: int | None = None  # the longest sequence served (None: the model's own maximum)
+    tensor_parallel_size: int = 1
+    rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
+    kv_cache_dtype: str | None = None  # or "fp8_e4m3": a float8 cache with calibrated scales

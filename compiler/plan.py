@@ -12,14 +12,18 @@ from typing import Any
 from kiln.backends.base import BuildRequest
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import CUDA_ARCHS, Target, TargetError, host_gpu_arch, host_machine, parse_targets
-from kiln.build import PipelineOptions
-from kiln.compiler.options import AUTO, ModelOptions, OptionsError, compiled_options, flag_name
+from kiln.compiler.options import (
+    AUTO,
+    DEFAULT_ACTIVATION_BITS,
+    DEFAULT_DTYPE,
+    ModelOptions,
+    OptionsError,
+    PipelineOptions,
+    compiled_options,
+)
 from kiln.frontend.load import holds_gguf_blocks
-from kiln.runtime.artifact import read_manifest
 
-DEFAULT_DTYPE = "f32"
 CPU_KV_CACHE_DTYPE = "f16"  # auto's KV cache for TVM on CPUs with float32 activations
-DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
 
 
 @dataclass(frozen=True)
@@ -137,31 +141,3 @@ def _refuse_what_cannot_build(plan: Plan) -> None:
         refusal = backend.capabilities(target).refusal(request)
         if refusal is not None:
             raise OptionsError(refusal.reason, hint=refusal.hint)
-
-
-def check_artifact_options(folder: Path, options: ModelOptions) -> None:
-    """An artifact runs as it was compiled: compiled options asked for explicitly must be what it holds."""
-    manifest = read_manifest(folder)
-    held_options = {**_OLDER_MANIFESTS, **manifest["compile"]}
-    backends = sorted({entry["backend"] for entry in manifest["targets"].values()})
-    for name, value in options.asked().items():
-        held = backends if name == "backend" else [_as_asked(name, held_options)]
-        if value not in held:
-            flag = flag_name(name)
-            raise OptionsError(
-                f"{folder} is an artifact compiled with {name} {', '.join(map(str, held))}, not {value}",
-                hint=f"drop {flag} to run it as compiled, or compile the model again with {flag} {value}",
-            )
-
-
-# what a manifest means where it lacks a field (written before the option existed)
-_OLDER_MANIFESTS = {"activation_bits": DEFAULT_ACTIVATION_BITS, "tensor_parallel_size": 1}
-
-
-def _as_asked(name: str, held_options: dict[str, Any]) -> Any:
-    """A manifest's value as an option would ask for it (float weights: none; a KV cache in the float
-    dtype: that dtype)."""
-    held = held_options.get(name)
-    if name == "kv_cache_dtype" and held is None:
-        return held_options.get("dtype", DEFAULT_DTYPE)
-    return "none" if held is None else held

@@ -14,6 +14,9 @@ import gguf
 
 from kiln.errors import ModelLoadError
 
+# kept as blocks (imported by `--quantization gguf`, dequantized with `gguf` for capture)
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
+
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType
 _STRING, _ARRAY = 8, 9
 

@@ -23,6 +23,7 @@ from kiln.frontend.config import (
     RopeScaling,
     longrope_attention_factor,
 )
+from kiln.frontend.gguf_header import QUANTIZED_TYPES
 from kiln.frontend.models import adapt_gguf_weights
 from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
 from kiln.ir.deferred import Deferred
@@ -44,8 +45,6 @@ GGUF_NORMALIZED_ROUTERS = ("llama", "qwen3moe")
 # others sliding with rope base 10,000; attention scale head_dim**-0.5 (all but the 27B)
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
-# kept as blocks (imported by `--quantization gguf`, dequantized with `gguf` for capture)
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1")
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.gguf_header import gguf_tensor_types
-from kiln.frontend.gguf_loader import QUANTIZED_TYPES, load_gguf
-from kiln.frontend.hf_loader import load_hf_dir
+from kiln.frontend.gguf_header import QUANTIZED_TYPES, gguf_tensor_types
 from kiln.frontend.pull import resolve_model
-from kiln.frontend.source import ModelSource
+
+if TYPE_CHECKING:
+    from kiln.frontend.source import ModelSource
 
 
 def load_model(name_or_path: str) -> ModelSource:
@@ -17,6 +18,8 @@ def load_model(name_or_path: str) -> ModelSource:
     path = resolve_model(name_or_path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
+        from kiln.frontend.gguf_loader import load_gguf  # the loaders (torch) only for a load
+
         return load_gguf(gguf_file)
     if path.is_dir():
         return _load_dir(path)
@@ -45,6 +48,8 @@ def _gguf_file(path: Path) -> Path | None:
 def _load_dir(path: Path) -> ModelSource:
     """A HF checkpoint directory, or the reason a directory is no model."""
     if (path / "config.json").is_file():
+        from kiln.frontend.hf_loader import load_hf_dir
+
         return load_hf_dir(path)
     ggufs = sorted(path.glob("*.gguf"))
     if ggufs:

@@ -11,6 +11,7 @@ import torch
 from kiln.ir.deferred import materialize
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph
+from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops import get_op
 from kiln.ir.types import DTYPES, Dim, TensorType
 
@@ -68,7 +69,8 @@ def interpret(
     for value in graph.inputs:
         if value.name not in inputs:
             raise IRError(f"no tensor for graph input %{value.name}")
-        given = torch.as_tensor(inputs[value.name])
+        given = inputs[value.name]
+        given = as_torch(given) if isinstance(given, np.ndarray) else given
         _bind(value.type, given, value.name, symbols)
         env[value.name] = given
     drops = drops if drops is not None else last_uses(graph)

@@ -10,7 +10,7 @@ from kiln.ir.deferred import Weight
 from kiln.ir.errors import IRError
 from kiln.ir.graph import Graph
 from kiln.ir.types import TensorType
-from kiln.ir.verify import verify
+from kiln.ir.verifier import verify
 
 
 def weight_type(tensor: torch.Tensor) -> TensorType:

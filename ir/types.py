@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32,
-    "f16": torch.float16,
-    "bf16": torch.bfloat16,
-    "f8e4m3": torch.float8_e4m3fn,  # KV cache storage only (fp8_kv_cache), with per-layer scales
-    "i64": torch.int64,
-    "i32": torch.int32,
-    "u8": torch.uint8,
-    "i8": torch.int8,
-    "bool": torch.bool,
+DTYPE_NAMES = ("f32", "f16", "bf16", "f8e4m3", "i64", "i32", "u8", "i8", "bool")  # f8e4m3: KV cache only
+_TORCH_NAMES = {
+    "f32": "float32",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f8e4m3": "float8_e4m3fn",
+    "i64": "int64",
+    "i32": "int32",
+    "u8": "uint8",
+    "i8": "int8",
+    "bool": "bool",
 }
-DTYPE_OF_TORCH: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPES (IR name -> torch dtype) and DTYPE_OF_TORCH, made when first asked for: torch is not
+    imported by a process that only reads types (a serving process)."""
+    if name not in ("DTYPES", "DTYPE_OF_TORCH"):
+        raise AttributeError(f"module 'kiln.ir.types' has no attribute {name!r}")
+    import torch
+
+    dtypes = {ir: getattr(torch, name) for ir, name in _TORCH_NAMES.items()}
+    globals().update(DTYPES=dtypes, DTYPE_OF_TORCH={v: k for k, v in dtypes.items()})
+    return globals()[name]
+
+
 FLOAT_DTYPES = frozenset({"f32", "f16", "bf16"})
 
 Dim = int | str  # an int, or a symbol such as "T" (tokens in the step) bound when the graph runs
@@ -62,8 +78,8 @@ class TensorType:
     quant: QuantLayout | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_NAMES)}")
         for dim in self.shape:
             if isinstance(dim, str) and not _SYMBOL.match(dim):
                 raise ValueError(f"bad symbolic dim {dim!r}")
@@ -89,6 +105,8 @@ class TensorType:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorType:
+        from kiln.ir.types import DTYPE_OF_TORCH
+
         return cls(DTYPE_OF_TORCH[tensor.dtype], tuple(tensor.shape))
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
-from kiln.ir import Program
-from kiln.ir.gguf_blocks import QuantizedTensor
+
+if TYPE_CHECKING:
+    from kiln.ir import Program
+    from kiln.ir.gguf_blocks import QuantizedTensor
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 DTYPES = ("f32", "f16", "bf16")
@@ -56,7 +59,7 @@ class PassOptions:
             )
 
 
-PassFn = Callable[[Program, PassOptions], tuple[Program, bool]]
+PassFn = Callable[["Program", PassOptions], tuple["Program", bool]]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from safetensors.numpy import load_file
 
 from kiln.backends.base import Executable, Logits, allocate_kv_cache
@@ -387,7 +387,7 @@ def load_artifact(
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay (re-read on next use)
 
 
-def release_pages(tensors: Iterable[torch.Tensor]) -> None:
+def release_pages(arrays: Iterable[np.ndarray]) -> None:
     """Hand back the resident pages of the weights file once a backend that copies its weights (ONNX
     Runtime, TensorRT: `Backend.copies_weights`) has loaded from it. Best effort: nothing happens where
     the kernel does not know MADV_PAGEOUT."""
@@ -396,11 +396,9 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
     except OSError:
         return
     page = mmap.PAGESIZE
-    for tensor in tensors:
-        if tensor.device.type != "cpu":
-            continue
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
+    for array in arrays:
+        start = array.ctypes.data
+        end = start + array.nbytes
         first, last = -(-start // page) * page, end // page * page
         if last > first:
             libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kiln.backends.base import KVCacheSpec
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
@@ -48,11 +46,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+def _on_host(device: str) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
 def device_free_memory(device: str) -> int:
     """Bytes free now where a KV cache on `device` would live: the host's MemAvailable, or the GPU's
     free memory (after the weights were loaded)."""
-    if torch.device(device).type == "cpu":
+    if _on_host(device):
         return available_memory_bytes()
+    import torch
+
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
 
@@ -110,7 +114,7 @@ def plan_kv_cache(
         return made(int(blocks), "kv_cache_memory")
     seqs = config.scheduler.max_num_seqs
     needed = seqs * -(-max_model_len // config.block_size) + 1
-    on_gpu = torch.device(device).type != "cpu"
+    on_gpu = not _on_host(device)
     if available is None:
         available = device_free_memory(device)
     fraction = config.kv_cache_fraction or (

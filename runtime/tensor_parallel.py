@@ -21,14 +21,16 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from kiln.backends.base import BackendError, Executable, Logits
 from kiln.ir import StepInputs
 from kiln.runtime.weights_file import read_weights_file
+
+if TYPE_CHECKING:
+    import torch
 
 STOP, CACHE, STEP = 0, 1, 2
 HEADER = 8
@@ -56,6 +58,8 @@ class CompiledRanks:
 
 
 def _pack(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     tables = inputs.block_tables
     header = torch.zeros(HEADER, dtype=torch.int64)
     header[:5] = torch.tensor(
@@ -92,12 +96,16 @@ def _share_cores(ranks_here: int) -> None:
     """Each rank gets its share of this machine's cores for torch's threads and TVM's (more would
     oversubscribe them: a rank that waits in a collective for one that has no core is time lost by all).
     A process whose TVM thread pool already runs keeps its size."""
+    import torch
+
     share = max(1, (os.cpu_count() or 1) // ranks_here)
     torch.set_num_threads(share)
     os.environ[THREADS_VARIABLE] = str(share)
 
 
 def _restore_threads(threads: int, variable: str | None) -> None:
+    import torch
+
     torch.set_num_threads(threads)
     if variable is None:
         os.environ.pop(THREADS_VARIABLE, None)
@@ -122,6 +130,9 @@ def run_worker(make: Callable[[int], Executable]) -> None:
 
 
 def _worker(rank: int, world: int, init_method: str, make: Callable[[int], Executable]) -> None:
+    import torch
+    import torch.distributed as dist
+
     _share_cores(_ranks_here(world))
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
@@ -155,6 +166,9 @@ class TensorParallelExecutable:
     for the engine."""
 
     def __init__(self, make: Callable[[int], Executable], world: int) -> None:
+        import torch
+        import torch.distributed as dist
+
         if world < 2:
             raise ValueError(f"tensor parallelism needs at least 2 ranks, got {world}")
         if dist.is_initialized():
@@ -192,6 +206,9 @@ class TensorParallelExecutable:
         self._closed = False
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
+        import torch
+        import torch.distributed as dist
+
         self._check_workers()
         try:
             if kv_cache is not self._cache:
@@ -221,6 +238,9 @@ class TensorParallelExecutable:
 
     def close(self) -> None:
         """Stop the workers and leave the process group."""
+        import torch
+        import torch.distributed as dist
+
         if self._closed:
             return
         self._closed = True

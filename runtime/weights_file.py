@@ -5,37 +5,69 @@ one by one, so memory holds one tensor however large the model. Every tensor sta
 boundary (the header is padded with spaces, as safetensors allows, and `__pad.N` byte tensors fill
 the gaps), so the compiled kernels' aligned loads can read it where it is mapped. Reading maps the file
 read-only-in-effect (copy-on-write, never written): the tensors are views of the page cache, shared by
-every process that serves the same artifact, and nothing is read until a kernel touches it.
+every process that serves the same artifact, and nothing is read until a kernel touches it. Read
+tensors are numpy arrays (bfloat16 and float8 as ml_dtypes' types), so a serving process needs no torch;
+writing takes torch tensors (the compiler's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+import ml_dtypes
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGNMENT = 64
 PAD_PREFIX = "__pad."
-_DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+# safetensors' dtype names: numpy's (ml_dtypes' for the float formats numpy lacks), torch's by name
+_NUMPY_DTYPES: dict[str, Any] = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_TORCH_NAMES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _name_of(dtype: torch.dtype) -> str:
+    import torch
+
+    names = {getattr(torch, torch_name): name for name, torch_name in _TORCH_NAMES.items()}
+    if dtype not in names:
+        raise WeightsFileError(f"a weights file cannot hold {dtype}")
+    return names[dtype]
 
 
 class WeightsFileError(ValueError):
@@ -53,7 +85,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _header(entries: list[Entry]) -> bytes:
@@ -61,7 +93,7 @@ def _header(entries: list[Entry]) -> bytes:
     offset = 0
     for index, entry in enumerate(entries):
         header[entry.name] = {
-            "dtype": _DTYPE_NAMES[entry.dtype],
+            "dtype": _name_of(entry.dtype),
             "shape": list(entry.shape),
             "data_offsets": [offset, offset + entry.nbytes],
         }
@@ -80,6 +112,8 @@ def _header(entries: list[Entry]) -> bytes:
 
 def write_weights_file(path: Path, entries: Iterable[Entry]) -> str:
     """Write `entries` to `path` in order, one tensor in memory at a time; their sha256 (of the file)."""
+    import torch
+
     entries = list(entries)
     names = [entry.name for entry in entries]
     if len(set(names)) != len(names) or any(name.startswith(PAD_PREFIX) for name in names):
@@ -110,36 +144,35 @@ def write_weights_file(path: Path, entries: Iterable[Entry]) -> str:
     return digest.hexdigest()
 
 
-def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, as views of it mapped copy-on-write (nothing read yet)."""
+def read_weights_file(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file, as numpy views of it mapped copy-on-write (nothing read yet)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as file:
             (header_size,) = struct.unpack("<Q", file.read(8))
             header = json.loads(file.read(header_size))
+            mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) if size else None
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as error:
         raise WeightsFileError(f"{path}: cannot read a safetensors header ({error})") from None
     start = 8 + header_size
     if not isinstance(header, dict) or start > size:
         raise WeightsFileError(f"{path}: not a safetensors file")
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else None
-    tensors: dict[str, torch.Tensor] = {}
+    arrays: dict[str, np.ndarray] = {}
     for name, entry in header.items():
         if name == "__metadata__" or name.startswith(PAD_PREFIX):
             continue
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = np.dtype(_NUMPY_DTYPES[entry["dtype"]])
             first, last = (int(n) for n in entry["data_offsets"])
-            shape = [int(n) for n in entry["shape"]]
+            shape = tuple(int(n) for n in entry["shape"])
         except (KeyError, TypeError, ValueError):
             raise WeightsFileError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        count = torch.Size(shape).numel()
-        if last - first != count * itemsize or start + last > size or (start + first) % itemsize:
+        count = math.prod(shape)
+        if last - first != count * dtype.itemsize or start + last > size or (start + first) % dtype.itemsize:
             raise WeightsFileError(f"{path}: tensor {name!r} does not fit the file (truncated?)")
-        tensor = torch.empty(0, dtype=dtype)
         if count:
-            assert storage is not None
-            tensor.set_(storage, (start + first) // itemsize, shape)  # type: ignore[call-overload]
-        tensors[name] = tensor.reshape(shape)
-    return tensors
+            assert mapped is not None
+            arrays[name] = np.frombuffer(mapped, dtype, count, start + first).reshape(shape)
+        else:
+            arrays[name] = np.empty(shape, dtype)
+    return arrays

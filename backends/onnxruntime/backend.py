@@ -22,6 +22,7 @@ from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
 from kiln.backends.onnxruntime.session import providers, session_config, session_options
 from kiln.backends.targets import Target
 from kiln.ir import Program
+from kiln.ir.host_arrays import torch_weights
 
 SESSION_KEY = "session"
 
@@ -75,7 +76,12 @@ class OnnxRuntimeBackend:
         if all(name == "CPUExecutionProvider" for name, _ in providers(config)):
             leave_cores_to_compiled_code()
         return OnnxRuntimeExecutable(
-            model, meta, weights, session_options(config), providers(config), kv_cache_spec(meta["kv_cache"])
+            model,
+            meta,
+            torch_weights(weights),
+            session_options(config),
+            providers(config),
+            kv_cache_spec(meta["kv_cache"]),
         )
 
 

@@ -10,9 +10,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec, Logits
+from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits
 from kiln.backends.onnx import WeightBinding, materialize
 from kiln.ir import KV_CACHE_INPUT, StepInputs
+from kiln.ir.host_arrays import as_torch
 
 _NUMPY = {
     torch.float32: np.float32,
@@ -95,7 +96,9 @@ class OnnxRuntimeExecutable:
         device, index = tensor.device.type, tensor.device.index or 0
         binding.bind_output(name, device, index, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
+        if isinstance(kv_cache, np.ndarray):  # the host's cache, shared as a tensor
+            kv_cache = as_torch(kv_cache)
         if not kv_cache.is_contiguous():
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()

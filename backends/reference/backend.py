@@ -19,6 +19,7 @@ from kiln.backends.base import (
 from kiln.backends.reference.executable import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Program, graph_from_json, graph_to_json
+from kiln.ir.host_arrays import torch_weights
 from kiln.passes.base import KV_CACHE_DTYPES
 
 GRAPH_FILE = "graph.json"
@@ -63,4 +64,4 @@ class ReferenceBackend:
             graph = graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
         except (OSError, json.JSONDecodeError, KeyError) as error:
             raise BackendError(f"{folder / GRAPH_FILE}: cannot read the graph ({error})") from None
-        return ReferenceExecutable(graph, weights)
+        return ReferenceExecutable(graph, torch_weights(weights))

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kiln.backends.base import (
     BackendError,
@@ -30,8 +28,11 @@ from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, set_threads, tvm_version
-from kiln.backends.tvm.layouts import stored_weights
-from kiln.ir import Program
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.ir import Program
 
 LIBRARY = "step.so"
 DESCRIPTION = "step.json"
@@ -139,6 +140,8 @@ class TVMBackend:
             "kv_cache": kv_cache_fields(program.graph),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
+        from kiln.backends.tvm.layouts import stored_weights
+
         return CompiledCode(
             [LIBRARY, DESCRIPTION],
             origins,

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from kiln.ir.ops.collective import all_gather, all_reduce
-
 _registered = False
 
 
@@ -22,10 +18,18 @@ def register_collectives(ffi: Any) -> None:
 
     @ffi.register_global_func("kiln.all_reduce", override=True)
     def _all_reduce(x: Any, world: int, out: Any) -> None:
+        import torch
+
+        from kiln.ir.ops.collective import all_reduce
+
         torch.from_dlpack(out).copy_(all_reduce(torch.from_dlpack(x), world=int(world)))
 
     @ffi.register_global_func("kiln.all_gather", override=True)
     def _all_gather(x: Any, world: int, dim: int, out: Any) -> None:
+        import torch
+
+        from kiln.ir.ops.collective import all_gather
+
         torch.from_dlpack(out).copy_(all_gather(torch.from_dlpack(x), world=int(world), dim=int(dim)))
 
     _registered = True

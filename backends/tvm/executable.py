@@ -12,23 +12,25 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec, Logits, check_kv_cache_device
+from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits, check_kv_cache_device
+from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
-from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
-from kiln.backends.tvm.layouts import apply_layout, stored_name
-from kiln.backends.tvm.staging import ALIGNMENT, InputStaging
-from kiln.ir import StepInputs
-from kiln.ir.deferred import Weight, materialize
-from kiln.ir.step import IndexArray
+from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
+from kiln.ir.step import IndexArray, StepInputs
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.ir.deferred import Weight
 
 ROW_BLOCK = 4
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
@@ -72,9 +74,20 @@ def tvm_version() -> str:
 
 
 def load_runtime() -> Any:
-    """tvm_ffi with libtvm_runtime's VM registered; never loads libtvm_compiler."""
+    """tvm_ffi with libtvm_runtime's VM registered; never loads libtvm_compiler.
+
+    tvm_ffi imports torch, where it is installed, for its torch interop; kiln hands tensors over by
+    DLPack and needs none of it. In a process that has not imported torch (a CPU server: numpy only),
+    tvm_ffi is imported with torch hidden, which keeps ~210 MiB of torch out of the process."""
     global _runtime_loaded
-    import tvm_ffi
+    if "torch" in sys.modules or "tvm_ffi" in sys.modules:
+        import tvm_ffi
+    else:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # tvm_ffi's optional import fails
+        try:
+            import tvm_ffi
+        finally:
+            del sys.modules["torch"]
 
     if not _runtime_loaded:
         ctypes.CDLL(str(tvm_library_dir() / "libtvm_runtime.so"), ctypes.RTLD_GLOBAL)
@@ -160,9 +173,11 @@ class TVMExecutable:
         functions: list[str] | None = None,
         cuda_graphs: bool = False,
     ) -> None:
-        ffi = load_runtime()
         if device == "cuda":
+            import torch  # noqa: F401  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
+
             load_cuda_runtime()
+        ffi = load_runtime()
         register_collectives(ffi)
         self.ffi = ffi
         self.kv_cache_spec = kv_cache_spec
@@ -180,33 +195,63 @@ class TVMExecutable:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
-        self._weights = [self._param(spec, weights) for spec in params]
+        self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
         self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
-        for spec, tensor in zip(params, self._weights, strict=True):
-            size = tensor.numel() * tensor.element_size()
+        for spec, weight in zip(params, self._weights, strict=True):
+            size = int(weight.nbytes)
             self.held_weight_bytes[spec["source"]] = self.held_weight_bytes.get(spec["source"], 0) + size
-        self._weight_args = [ffi.from_dlpack(w) for w in self._weights]
-        self.graphs = DecodeGraphs() if device == "cuda" and cuda_graphs and cuda_graphs_enabled() else None
-        self.staging = InputStaging(device)
+        self._weight_args = [self._tvm_tensor(w) for w in self._weights]
+        self._cache_arg: tuple[KVCache, Any] | None = None  # the last cache and its TVM view
+        self.graphs = None
+        if device == "cuda":
+            from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
+            from kiln.backends.tvm.staging import InputStaging
 
-    def _param(self, spec: dict[str, Any], weights: Mapping[str, Weight]) -> torch.Tensor:
+            self.graphs = DecodeGraphs() if cuda_graphs and cuda_graphs_enabled() else None
+            self.staging = InputStaging(device)
+
+    def _param(self, spec: dict[str, Any], weights: Mapping[str, Any]) -> Any:
         """The weight as the kernels read it: stored so in the artifact (mapped, used as it is), or laid
-        out here from the program's weights (a program run without an artifact)."""
-        tensor = weights.get(stored_name(spec["source"], spec["transform"]))
-        if tensor is None:
-            tensor = self._laid_out(spec, weights)
-        if list(tensor.shape) != spec["shape"] or tensor.dtype != getattr(torch, spec["dtype"]):
+        out here from the program's weights (a program run without an artifact). A host array on the
+        CPU; a tensor on the GPU."""
+        weight = weights.get(stored_name(spec["source"], spec["transform"]))
+        if weight is None:
+            weight = self._laid_out(spec, weights)
+        on_host = isinstance(weight, np.ndarray)
+        dtype = weight.dtype.name if on_host else str(weight.dtype).removeprefix("torch.")
+        if list(weight.shape) != spec["shape"] or dtype != spec["dtype"]:
             raise BackendError(
-                f"weight {spec['source']} ({spec['transform']}) is {tensor.dtype} {list(tensor.shape)}, "
+                f"weight {spec['source']} ({spec['transform']}) is {dtype} {list(weight.shape)}, "
                 f"the compiled code wants {spec['dtype']} {spec['shape']}"
             )
-        return aligned(materialize(tensor).to(self.device))
+        if not on_host:
+            from kiln.ir.deferred import materialize
+
+            weight = materialize(weight)
+        if self.device == "cpu":
+            return host_aligned(weight if on_host else as_numpy(weight))
+        tensor = as_torch(weight) if on_host else weight
+        return aligned(tensor.to(self.device))
+
+    def _tvm_tensor(self, weight: Any) -> Any:
+        if not isinstance(weight, np.ndarray):
+            return self.ffi.from_dlpack(weight)
+        array, view_as = exportable(weight)
+        tensor = self.ffi.from_dlpack(array)
+        if view_as is None:
+            return tensor
+        return self.ffi.get_global_func("runtime.TVMTensorCreateView")(
+            tensor, self.ffi.Shape(weight.shape), self.ffi.dtype(view_as), 0
+        )
 
     @staticmethod
     def _laid_out(spec: dict[str, Any], weights: Mapping[str, Weight]) -> torch.Tensor:
         source = weights.get(spec["source"])
         if source is None:
             raise BackendError(f"the artifact's weights have no {spec['source']}")
+        from kiln.backends.tvm.layouts import apply_layout
+        from kiln.ir.deferred import materialize
+
         try:
             return apply_layout(spec["transform"], materialize(source))
         except ValueError as error:
@@ -222,26 +267,34 @@ class TVMExecutable:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
         return self.staging.upload(arrays)
 
-    def call(self, tensors: list[Any], kv_cache: torch.Tensor) -> Any:
+    def call(self, tensors: list[Any], kv_cache: KVCache) -> Any:
         """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads."""
         ffi = self.ffi
         *inputs, row_counts = tensors
+        if self._cache_arg is None or self._cache_arg[0] is not kv_cache:
+            self._cache_arg = (kv_cache, self._tvm_tensor(kv_cache))
         packed = [ffi.from_dlpack(a) for a in inputs]
-        packed += [ffi.from_dlpack(kv_cache), ffi.from_dlpack(row_counts)]
+        packed += [self._cache_arg[1], ffi.from_dlpack(row_counts)]
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         return function(*packed, *self._weight_args)
 
-    def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
-        if kv_cache.dtype != self.kv_cache_spec.dtype:
-            raise BackendError(f"kv_cache is {kv_cache.dtype}, the artifact wants {self.kv_cache_spec.dtype}")
-        if kv_cache.data_ptr() % ALIGNMENT or not kv_cache.is_contiguous():
-            raise BackendError(
-                "kv_cache must be a contiguous, 64-byte aligned tensor (allocate it with torch)"
-            )
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
         check_kv_cache_device(kv_cache, self.device)
+        if ir_dtype_of(kv_cache) != self.kv_cache_spec.dtype:
+            raise BackendError(
+                f"kv_cache is {ir_dtype_of(kv_cache)}, the artifact wants {self.kv_cache_spec.dtype}"
+            )
+        on_host = isinstance(kv_cache, np.ndarray)
+        address = kv_cache.ctypes.data if on_host else kv_cache.data_ptr()
+        if address % ALIGNMENT or not (kv_cache.flags.c_contiguous if on_host else kv_cache.is_contiguous()):
+            raise BackendError(
+                "kv_cache must be contiguous and 64-byte aligned (allocate it with kv_cache_spec.allocate)"
+            )
         num_logits = inputs.logits_indices.shape[0]
         if self.device == "cuda":
+            import torch
+
             if self.graphs is not None:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:

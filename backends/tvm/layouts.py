@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kiln.backends.base import StoredWeight
+from kiln.backends.tvm.abi import stored_name
 from kiln.ir.ops.quant import unpack_int4
 
 
@@ -197,11 +198,6 @@ def dot_transform(kind: str, bits: int, packing: str, tile: int, plane: int, off
 
 def factored_transform(kind: str, tile: int, per: int) -> str:
     return f"factored_{kind}:{tile}:{per}"
-
-
-def stored_name(source: str, transform: str) -> str:
-    """The artifact's name for weight `source` laid out by `transform`."""
-    return source if transform == "none" else f"{source}@{transform}"
 
 
 def stored_weights(params: Iterable[dict[str, Any]]) -> list[StoredWeight]:

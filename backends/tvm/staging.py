@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-ALIGNMENT = 64  # bytes: every view starts where the compiled kernels' aligned loads want it
+from kiln.backends.tvm.abi import ALIGNMENT
 
 
 def _padded(size: int) -> int:

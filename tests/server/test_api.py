@@ -23,6 +23,18 @@ def test_the_startup_line_says_what_is_served(api_server) -> None:
     assert "max_model_len 1,024, max_num_seqs 16; KV cache 1,024 blocks of 16 tokens" in line
 
 
+def test_the_serving_process_holds_neither_torch_nor_the_tvm_compiler(start_server) -> None:
+    """`make serve` (a GGUF compiled into the cache by an earlier start) loads only what serving needs:
+    the TVM runtime, numpy and the HTTP stack; torch (~210 MiB of RSS) and libtvm_compiler stay on disk."""
+    start_server().stop()  # a first start compiles into the cache, in its own process (with torch)
+    server = start_server()
+    out = server.client().completions.create(model=server.model, prompt=FRANCE, max_tokens=4, temperature=0.8)
+    assert out.choices[0].text
+    libraries = {line.rsplit("/", 1)[-1].strip() for line in Path(f"/proc/{server.process.pid}/maps").open()}
+    assert "libtvm_runtime.so" in libraries
+    assert not {name for name in libraries if name.startswith(("libtorch", "libtvm_compiler"))}, libraries
+
+
 def test_models_lists_the_served_model(api_server) -> None:
     models = api_server.client().models.list()
     assert [m.id for m in models.data] == [api_server.model]
