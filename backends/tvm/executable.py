@@ -203,6 +203,7 @@ class TVMExecutable:
         self._weight_args = [self._tvm_tensor(w) for w in self._weights]
         self._cache_arg: tuple[KVCache, Any] | None = None  # the last cache and its TVM view
         self.graphs = None
+        self.staging: Any = None  # a GPU's input staging (staging.py)
         if device == "cuda":
             from kiln.backends.tvm.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
             from kiln.backends.tvm.staging import InputStaging

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Graph, Program
+from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops.moe import quantized_inputs
 from kiln.ir.ops.quant import pack_int4, unpack_int4
 from kiln.passes import PassManager, PassOptions, pipeline
@@ -67,7 +69,8 @@ def _as_gguf_q4_1(program: Program) -> Program:
     return rewritten
 
 
-def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+def _relative_error(ours: torch.Tensor | np.ndarray, theirs: torch.Tensor | np.ndarray) -> float:
+    ours, theirs = (as_torch(x).float() if isinstance(x, np.ndarray) else x.float() for x in (ours, theirs))
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 

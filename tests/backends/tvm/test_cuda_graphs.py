@@ -23,6 +23,7 @@ from kiln.backends.tvm.cuda_graphs import (
     pad_decode,
     table_width,
 )
+from kiln.backends.tvm.staging import InputStaging
 from kiln.ir import DTYPES
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.step import SequenceSlice, build_step_inputs
@@ -108,6 +109,7 @@ def test_replayed_decode_steps_match_plain_steps_and_are_copied_out(tiny_tvm) ->
     plain_cache = cache.clone()
     captures: list[GraphKey] = []
     graphs = DecodeGraphs(_rerun_capture(captures))
+    tiny_tvm.staging = InputStaging("cpu")  # a GPU executable's upload, here into host memory
     replayed = []
     for step in range(3):
         decode = _decode(prompts, tables, step)
