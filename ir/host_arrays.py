@@ -80,5 +80,5 @@ def ir_dtype_of(array: Any) -> str:
 
 
 def device_of(array: Any) -> str:
-    """"cpu" for a numpy array, else the torch tensor's device type ("cpu", "cuda", "meta")."""
+    """ "cpu" for a numpy array, else the torch tensor's device type ("cpu", "cuda", "meta")."""
     return "cpu" if isinstance(array, np.ndarray) else str(array.device.type)
