@@ -4,7 +4,8 @@
     OUT/lib/               libtvm_runtime.so (and libtvm_runtime_cuda.so for a GPU target) of the
                            target's machine, from the apache-tvm wheel this kiln compiles with
     OUT/wheels/            kiln itself as a wheel
-    OUT/requirements.txt   the runtime's Python packages, pinned as on this machine (torch apart)
+    OUT/requirements.txt   the runtime's Python packages, pinned as on this machine (torch apart: a GPU
+                           target's only, and the device's own build)
     OUT/run.sh             `kiln serve` of the artifact with KILN_TVM_LIBRARY_DIR set to lib/
     OUT/bundle.json        target, host triple, where lib/ came from, sizes
 
@@ -29,10 +30,12 @@ from kiln.backends.tvm.executable import TVM_VERSION_FILE, tvm_library_dir, tvm_
 from kiln.errors import KilnError
 from kiln.runtime import artifact as fmt
 
-# What `kiln serve ARTIFACT` imports, beside torch (whose build is the device's: NVIDIA's on a Jetson).
+# What `kiln serve ARTIFACT` imports; a GPU target also needs torch, whose build is the device's (NVIDIA's
+# on a Jetson). A CPU target serves without torch (docs/runtime.md).
 RUNTIME_PACKAGES = (
     "apache-tvm-ffi",
     "numpy",
+    "ml_dtypes",
     "safetensors",
     "tokenizers",
     "jinja2",
@@ -164,13 +167,17 @@ def _kiln_wheel(wheels: Path) -> None:
         raise BundleError(f"cannot build kiln's wheel from {source}: {done.stderr.strip()[-400:]}")
 
 
-def _requirements() -> str:
+def _requirements(target: Target) -> str:
     lines = ["# kiln's runtime, pinned as on the compiling machine; install kiln itself with --no-deps"]
     lines += [f"{package}=={metadata.version(package)}" for package in RUNTIME_PACKAGES]
-    lines.append(
-        f"# torch: any build for the device with DLPack (compiled with torch {metadata.version('torch')});"
-    )
-    lines.append("# on a Jetson, NVIDIA's JetPack wheel")
+    if target.kind == "cuda":
+        lines.append(
+            "# torch: any build for the device with DLPack "
+            f"(compiled with torch {metadata.version('torch')});"
+        )
+        lines.append("# on a Jetson, NVIDIA's JetPack wheel")
+    else:
+        lines.append("# no torch: a CPU target serves with the TVM runtime and numpy alone")
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +215,7 @@ def make_bundle(
         _copy_artifact(artifact, scratch / "artifact", manifest, name)
         origin = _copy_runtime(parsed, scratch / "lib", tvm_wheel, wheel_cache or kiln_home() / "wheels")
         _kiln_wheel(scratch / "wheels")
-        (scratch / "requirements.txt").write_text(_requirements())
+        (scratch / "requirements.txt").write_text(_requirements(parsed))
         (scratch / "run.sh").write_text(RUN_SCRIPT)
         (scratch / "run.sh").chmod(0o755)
         sizes = {part.name: _size(part) for part in sorted(scratch.iterdir())}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# kiln's runtime (torch and what `kiln generate` imports; no TVM compiler, ONNX, xgboost or
-# transformers) for the emulated aarch64 Python of scripts/aarch64_python.sh, in
+# kiln's runtime (what `kiln generate` of a CPU artifact imports; no torch, TVM compiler, ONNX, xgboost
+# or transformers) for the emulated aarch64 Python of scripts/aarch64_python.sh, in
 # SYSROOT/runtime-packages: scripts/aarch64_runtime.sh [SYSROOT]. Then, with <kiln parent> a folder
 # holding the kiln package as `kiln`:
 #   KILN_TVM_LIBRARY_DIR=SYSROOT/site-packages/tvm/lib PYTHONPATH=SYSROOT/runtime-packages:<kiln parent> \
@@ -10,11 +10,7 @@ set -euo pipefail
 root="$(realpath -m "${1:-${KILN_HOME:-$HOME/.cache/kiln}/aarch64-python}")"
 dest="$root/runtime-packages"
 host_python="${PYTHON:-python3}"
-# torch 2.10.0: the last CPU-only aarch64 wheel on PyPI (2.11 and later pull CUDA 13) and the first with
-# torch.Tensor.__dlpack_c_exchange_api__ (before it, tvm_ffi tries to JIT-compile an addon at each start).
-# gguf (and pyyaml, which it imports) only because llm.py imports kiln.build, which imports the loaders.
-wheels=(torch==2.10.0 safetensors==0.8.0 tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.4
-    gguf==0.19.0 pyyaml==6.0.4)
+wheels=(safetensors==0.8.0 tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.4 ml_dtypes==0.7.0)
 spec="${wheels[*]}"
 
 [[ -x "$root/run" && -f "$root/.spec" ]] || { echo "no sysroot at $root: run scripts/aarch64_python.sh" >&2; exit 1; }
@@ -32,15 +28,12 @@ if [[ "$(cat "$dest/.spec" 2>/dev/null)" != "$spec" ]]; then
         --python-version 3.11 --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
         --platform manylinux_2_17_aarch64 -d "$build/downloads" "${wheels[@]}"
     for wheel in "$build"/downloads/*.whl; do
-        case "$(basename "$wheel")" in  # torch's C++ headers and test binaries: 150 MB, unused
-            torch-*) unzip -q "$wheel" -d "$build" -x 'torch/include/*' 'torch/test/*' ;;
-            *) unzip -q "$wheel" -d "$build" ;;
-        esac
+        unzip -q "$wheel" -d "$build"
     done
     (cd "$build/downloads" && sha256sum -- *.whl) >"$build/SHA256SUMS"
     rm -rf "$build/downloads"
 
-    # Without .pyc (PYTHONDONTWRITEBYTECODE may be set) `import torch` takes ~30 s instead of ~25 s.
+    # .pyc: PYTHONDONTWRITEBYTECODE may be set, and imports under emulation are slow without them
     "$root/run" -m compileall -q -j0 -x '/(tests?|testing)/' "$build" >/dev/null
     echo "$spec" >"$build/.spec"
     rm -rf "$dest"  # has .spec: made by this script
@@ -50,7 +43,6 @@ if [[ "$(cat "$dest/.spec" 2>/dev/null)" != "$spec" ]]; then
 fi
 
 PYTHONPATH="$dest" "$root/run" -c '
-import torch, safetensors, tokenizers, jinja2, gguf
-from importlib import metadata
-print("torch", torch.__version__, "tokenizers", tokenizers.__version__, "gguf", metadata.version("gguf"))
+import safetensors, tokenizers, jinja2, ml_dtypes
+print("tokenizers", tokenizers.__version__, "ml_dtypes", ml_dtypes.__version__)
 '

@@ -67,7 +67,9 @@ def test_a_cpu_bundle_runs_without_the_compiler(two_target_artifact: Path, tmp_p
     assert all((bundle.path / "artifact" / name).is_file() for name in manifest["files"])
     (wheel,) = (bundle.path / "wheels").glob("kiln-*.whl")
     assert "kiln/bundle.py" in zipfile.ZipFile(wheel).namelist()
-    assert "apache-tvm-ffi==" in (bundle.path / "requirements.txt").read_text()
+    requirements = (bundle.path / "requirements.txt").read_text()
+    assert "apache-tvm-ffi==" in requirements and "ml_dtypes==" in requirements
+    assert "no torch" in requirements
     assert (bundle.path / "lib" / "apache-tvm.version").read_text().strip() == metadata.version("apache-tvm")
     recorded = json.loads((bundle.path / "bundle.json").read_text())
     assert recorded["bytes"] == bundle.sizes and recorded["target"] == "cpu"

@@ -119,11 +119,11 @@ GENERATE = ("--prompt", "The capital of France is", "--max-tokens", "8", "--temp
 def test_smollm2_greedy_tokens_under_qemu_match_x86_with_the_whole_runtime(
     tmp_path: Path, aarch64_python: Path
 ) -> None:
-    """kiln generate itself (torch, tokenizer, engine, the TVM runtime; no TVM compiler) in the emulated
+    """kiln generate itself (tokenizer, engine, the TVM runtime; no torch, no TVM compiler) in the emulated
     aarch64 Python with scripts/aarch64_runtime.sh's packages, against the same artifact's x86 target."""
     runtime_packages = aarch64_python / "runtime-packages"
     if not (runtime_packages / ".spec").is_file():
-        pytest.skip(f"no aarch64 torch at {runtime_packages} (run scripts/aarch64_runtime.sh)")
+        pytest.skip(f"no aarch64 runtime packages at {runtime_packages} (run scripts/aarch64_runtime.sh)")
     artifact = tmp_path / "smollm2"
     kiln = [sys.executable, "-m", "kiln.cli"]
     targets = ["--target", "cpu,cpu:cortex-a76"]

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,8 @@ EIGHT_BIT_TOLERANCE = 8e-2  # --activation-bits 8 (llama.cpp's rounding): SmolLM
 FLOAT_PATH_CPU = Target("cpu", "x86-64-v2")  # no AVX2: the float32 quantized kernels (quant_gemm.py)
 
 
-def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+def _relative_error(ours: torch.Tensor | np.ndarray, theirs: torch.Tensor | np.ndarray) -> float:
+    ours, theirs = (as_torch(x).float() if isinstance(x, np.ndarray) else x.float() for x in (ours, theirs))
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
