@@ -75,7 +75,7 @@ def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtif
             f"kiln: first start of {plan.model}: compiling for {plan.backend} {targets} ({plan.reason}), "
             f"quantization {plan.quantization or 'none'}{ranks}, into {folder}"
         )
-        from kiln.compiler import compile_stages  # the compiler, only when it compiles
+        from kiln.compiler import compile_stages
         from kiln.console import stage_progress
 
         with stage_progress(title, compile_stages(plan.targets)) as progress:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kiln.compiler.cache import load_or_compile, verdicts_folder
-    from kiln.compiler.codegen import CompileLimits, CompileResult, compile_model, compile_stages
+    from kiln.compiler.codegen import CompileLimits, CompileResult, compile_model
     from kiln.compiler.options import ModelOptions, OptionsError, add_arguments, check_artifact_options
     from kiln.compiler.output import OutputError, check_output
-    from kiln.compiler.plan import Plan, default_tuning_logs, resolve
+    from kiln.compiler.plan import Plan, compile_stages, default_tuning_logs, resolve
 
 _MODULE_OF = {
     "load_or_compile": "cache",
@@ -23,7 +23,7 @@ _MODULE_OF = {
     "CompileLimits": "codegen",
     "CompileResult": "codegen",
     "compile_model": "codegen",
-    "compile_stages": "codegen",
+    "compile_stages": "plan",
     "ModelOptions": "options",
     "OptionsError": "options",
     "add_arguments": "options",

@@ -1,5 +1,6 @@
 """The compile cache under $KILN_HOME/artifacts: `serve`, `generate` and `kiln.LLM` start from a model by
-loading its entry, compiling it there first where it is missing or damaged. An entry is keyed by the
+loading its entry, compiling it there first where it is missing or damaged (in a child process:
+compiler/apart.py). An entry is keyed by the
 source's sha256 (compiler/source_digest.py), the decided options, the targets and the compiler's own
 code; it is locked while it compiles, and the CACHE_ENTRIES most recent are kept."""
 
@@ -16,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 from kiln.backends.registry import get_backend
+from kiln.compiler.apart import compile_apart
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import source_digest
 from kiln.console import Progress
@@ -87,9 +89,7 @@ def load_or_compile(plan: Plan, progress_for: ProgressFor | None = None) -> Load
                 logger.warning("the cached artifact %s is damaged (%s); compiling it again", folder, error)
         damaged = is_artifact(folder)  # replace it; otherwise a concurrent compile's entry is as good as ours
         with progress_for(folder) if progress_for is not None else nullcontext() as progress:
-            from kiln.compiler.codegen import compile_model  # the compiler only on a miss
-
-            compile_model(plan, folder, progress=progress, keep_existing=not damaged)
+            compile_apart(plan, folder, progress, keep_existing=not damaged)
         _evict_old_entries(folder.parent, keep=CACHE_ENTRIES)
         return load_artifact(folder, verdicts=verdicts_folder())
 

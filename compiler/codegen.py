@@ -140,11 +140,6 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def compile_stages(targets: tuple[Target, ...]) -> list[str]:
-    """The stage names `compile_model` reports to its progress callback, in order."""
-    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write weights", "write"]
-
-
 def compile_model(
     plan: Plan,
     out: Path,

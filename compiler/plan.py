@@ -141,3 +141,9 @@ def _refuse_what_cannot_build(plan: Plan) -> None:
         refusal = backend.capabilities(target).refusal(request)
         if refusal is not None:
             raise OptionsError(refusal.reason, hint=refusal.hint)
+
+
+def compile_stages(targets: tuple[Target, ...]) -> list[str]:
+    """The stage names compiler.codegen.compile_model reports to its progress callback, in order (here, not
+    there: a display of a compile in a child process needs them without the compiler)."""
+    return ["load", "capture", "passes", *(f"codegen {t.name}" for t in targets), "write weights", "write"]

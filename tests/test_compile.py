@@ -194,17 +194,17 @@ def test_processes_starting_one_model_at_once_compile_it_once(
     """The compile cache locks an entry while it is compiled, so a second start waits and loads it."""
     import threading
 
-    from kiln.compiler import ModelOptions, cache, codegen, resolve
+    from kiln.compiler import ModelOptions, cache, resolve
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     compiles: list[Path] = []
-    real_compile = codegen.compile_model  # cache.py imports it on a miss
+    real_compile = cache.compile_apart
 
     def counted_compile(*args, **kwargs):
         compiles.append(args[1])
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(codegen, "compile_model", counted_compile)
+    monkeypatch.setattr(cache, "compile_apart", counted_compile)
     plan = resolve(ModelOptions(str(tiny_hf_dir), backend="reference"))
     loaded: list[Path] = []
     errors: list[BaseException] = []

@@ -44,7 +44,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, gguf: Path, *args: str, api_key: str | None = None, start_timeout_s: float = START_TIMEOUT_S
+        self,
+        gguf: Path,
+        *args: str,
+        api_key: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,7 +60,9 @@ class ServerProcess:
         if api_key is not None:
             command += ["--api-key", api_key]
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self._wait_until_healthy(start_timeout_s)
 
     def _wait_until_healthy(self, timeout_s: float) -> None:
@@ -128,8 +135,8 @@ def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProces
     """Start `kiln serve` on SmolLM2 with extra flags; every server started is stopped at the end."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, api_key: str | None = None) -> ServerProcess:
-        server = ServerProcess(smollm2_gguf_path, *args, api_key=api_key)
+    def start(*args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(smollm2_gguf_path, *args, api_key=api_key, env=env)
         started.append(server)
         return server
 
