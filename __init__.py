@@ -6,7 +6,7 @@ from typing import Any
 
 from kiln.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = ["LLM", "ReasoningTokens", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,12 +15,8 @@ def __getattr__(name: str) -> Any:
         from kiln.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from kiln.runtime.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutput", "ReasoningTokens"):
+        from kiln.runtime import sampling_params
 
-        return SamplingParams
-    if name == "StructuredOutput":
-        from kiln.runtime.sampling_params import StructuredOutput
-
-        return StructuredOutput
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

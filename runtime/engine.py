@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, SequenceStatus
 from kiln.runtime.speculative.decoder import SpeculativeDecoder, SpeculativeStats
 from kiln.runtime.speculative.proposer import make_proposer
-from kiln.runtime.structured_output import Grammars
+from kiln.runtime.structured_output import Constraint, Grammars
 from kiln.runtime.tokenizer import Tokenizer
 
 
@@ -42,8 +41,7 @@ class _SequenceState:
     detokenizer: IncrementalDetokenizer
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
-    matcher: Any | None = None  # the structured output's xgrammar matcher
-    matcher_waits: bool = False  # until params.structured_output_after is generated
+    constraint: Constraint | None = None  # the structured output's matcher
 
 
 class LLMEngine:
@@ -167,8 +165,9 @@ class LLMEngine:
                 ),
                 [],
                 [],
-                self.grammars.matcher(grammar) if grammar is not None else None,
-                grammar is not None and params.structured_output_after is not None,
+                self.grammars.constraint(grammar, params.reasoning, token_ids)
+                if grammar is not None
+                else None,
             )
         self.requests[request_id] = request
         self.stats.num_prompt_tokens += len(token_ids)
@@ -275,8 +274,7 @@ class LLMEngine:
     ) -> None:
         rows = logits[[row for _, row in to_sample]]
         states = [self._states[seq.seq_id] for seq, _ in to_sample]
-        matchers = [None if state.matcher_waits else state.matcher for state in states]
-        bitmask = self.grammars.bitmask(matchers) if any(m is not None for m in matchers) else None
+        bitmask = self.grammars.bitmask([state.constraint for state in states])
         samplings = [state.sampling for state in states]
         eos = self.tokenizer.eos_token_ids
         sampled_tokens = sample(rows, samplings, eos_token_ids=eos, token_bitmask=bitmask)
@@ -284,7 +282,8 @@ class LLMEngine:
             request = seq.request
             touched[request.request_id] = request
             self._release_held(request)
-            self._advance_matcher(state, seq, sampled.token_id)
+            if state.constraint is not None:
+                state.constraint.accept(sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
 
     def _verify(self, seq: Sequence, rows: Logits, num_drafts: int, touched: dict[str, Request]) -> None:
@@ -296,8 +295,7 @@ class LLMEngine:
         self._release_held(request)  # the prompt's last token may be the one that speculates
 
         def sample_row(row: Logits, draft: int | None, q: np.ndarray | None) -> int:
-            matcher = None if state.matcher_waits else state.matcher  # its state after the tokens so far
-            bitmask = self.grammars.bitmask([matcher]) if matcher is not None else None
+            bitmask = self.grammars.bitmask([state.constraint])  # its state after the tokens so far
             (sampled,) = sample(
                 row,
                 [state.sampling],
@@ -306,7 +304,8 @@ class LLMEngine:
                 drafts=[draft],
                 draft_probs=[q],
             )
-            self._advance_matcher(state, seq, sampled.token_id)
+            if state.constraint is not None:
+                state.constraint.accept(sampled.token_id)
             self._append_token(seq, sampled.token_id, sampled.logprob, sampled.top_logprobs)
             return sampled.token_id
 
@@ -314,16 +313,6 @@ class LLMEngine:
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
             self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-
-    @staticmethod
-    def _advance_matcher(state: _SequenceState, seq: Sequence, token: int) -> None:
-        """The structured output's matcher takes the token (or starts after `structured_output_after`)."""
-        if state.matcher is None:
-            return
-        if not state.matcher_waits:
-            state.matcher.accept_token(token)
-        elif token == seq.params.structured_output_after:
-            state.matcher_waits = False
 
     def _release_held(self, request: Request) -> None:
         """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""

@@ -78,6 +78,19 @@ class StructuredOutput:
         }[self.kind]
 
 
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """A reply's reasoning block by token id (`<think>` … `</think>`): a structured output constrains the
+    reply outside it. At the first generated token the prompt's last marker decides where the reply
+    stands: after `end`, outside; after `start`, inside; with neither, inside if `implicit_start` (a
+    deepseek_r1 reply is reasoning until `end`), else the first token may be `start` (a qwen3 reply
+    opens its thinking itself, or does not think)."""
+
+    start: int
+    end: int
+    implicit_start: bool = False
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping for one request. temperature 0 means greedy.
@@ -107,7 +120,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
-    structured_output_after: int | None = None  # a token id: the constraint starts after it (`</think>`)
+    reasoning: ReasoningTokens | None = None  # a structured output constrains the reply outside them
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,6 +1,7 @@
 """Constrained decoding with xgrammar: a request's constraint (a JSON schema, any JSON object, a regex,
 a choice of strings, or an EBNF grammar) compiled once per (kind, spec) against the model's vocabulary,
-a matcher per sequence, and per step a token bitmask the sampler applies after the penalties.
+a matcher per sequence, and per step a token bitmask the sampler applies after the penalties. A reply's
+reasoning block (`<think>` … `</think>`) is left free: the matcher starts outside it (`Constraint`).
 
 Grammars compile in a thread pool (xgrammar releases the GIL), so a server compiles off its engine
 loop; compiled grammars are cached. The bitmask covers the LM head's rows: tokens past the
@@ -13,12 +14,14 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from kiln.runtime.sampling_params import StructuredOutput
+from kiln.runtime.sampling_params import ReasoningTokens, StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar
@@ -101,14 +104,73 @@ class Grammars:
 
         return xgrammar.GrammarMatcher(compiled)
 
-    def bitmask(self, matchers: list[Any | None]) -> npt.NDArray[np.int32]:
+    def constraint(
+        self,
+        compiled: xgrammar.CompiledGrammar,
+        reasoning: ReasoningTokens | None,
+        prompt_token_ids: list[int],
+    ) -> Constraint:
+        return Constraint(self.matcher(compiled), reasoning, first_phase(reasoning, prompt_token_ids))
+
+    def bitmask(self, constraints: list[Constraint | None]) -> npt.NDArray[np.int32] | None:
         """int32 [rows, ceil(vocab / 32)]: bit j of word w allows token 32 w + j; unconstrained rows
-        (None) allow every token."""
-        mask = np.full((len(matchers), -(-self.vocab_size // 32)), -1, dtype=np.int32)
-        for row, matcher in enumerate(matchers):
-            if matcher is not None:
-                matcher.fill_next_token_bitmask(mask, row)  # any CPU array with DLPack, numpy's too
+        (None, or a reply inside its reasoning) allow every token; None where no row is constrained."""
+        if not any(c is not None and c.active for c in constraints):
+            return None
+        mask = np.full((len(constraints), -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        for row, constraint in enumerate(constraints):
+            if constraint is None or not constraint.active:
+                continue
+            constraint.matcher.fill_next_token_bitmask(mask, row)  # any CPU array with DLPack, numpy's too
+            if constraint.phase is ReasoningPhase.MAY_OPEN and constraint.reasoning is not None:
+                start = constraint.reasoning.start
+                mask.view(np.uint32)[row, start // 32] |= np.uint32(1 << (start % 32))
         return mask
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ReasoningPhase(Enum):
+    """Where a reply stands against its reasoning block (sampling_params.ReasoningTokens)."""
+
+    MAY_OPEN = "may open"  # the next token may be `start`, or the constrained reply's first
+    INSIDE = "inside"  # unconstrained until `end`
+    OUTSIDE = "outside"  # constrained
+
+
+def first_phase(reasoning: ReasoningTokens | None, prompt_token_ids: list[int]) -> ReasoningPhase:
+    """The phase at a reply's first token, from the prompt's last reasoning marker."""
+    if reasoning is None:
+        return ReasoningPhase.OUTSIDE
+    for token in reversed(prompt_token_ids):
+        if token == reasoning.end:
+            return ReasoningPhase.OUTSIDE
+        if token == reasoning.start:
+            return ReasoningPhase.INSIDE
+    return ReasoningPhase.INSIDE if reasoning.implicit_start else ReasoningPhase.MAY_OPEN
+
+
+@dataclass
+class Constraint:
+    """One sequence's structured output: its matcher, held back while the reply reasons."""
+
+    matcher: xgrammar.GrammarMatcher
+    reasoning: ReasoningTokens | None
+    phase: ReasoningPhase
+
+    @property
+    def active(self) -> bool:
+        return self.phase is not ReasoningPhase.INSIDE
+
+    def accept(self, token: int) -> None:
+        reasoning = self.reasoning
+        if self.phase is ReasoningPhase.INSIDE:
+            assert reasoning is not None
+            if token == reasoning.end:
+                self.phase = ReasoningPhase.OUTSIDE
+        elif self.phase is ReasoningPhase.MAY_OPEN and reasoning is not None and token == reasoning.start:
+            self.phase = ReasoningPhase.INSIDE
+        else:
+            self.matcher.accept_token(token)
+            self.phase = ReasoningPhase.OUTSIDE

@@ -352,6 +352,7 @@ class ChatCompletionRequest(SamplingExtras):
     max_completion_tokens: int | None = None
     # vLLM extras
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (Qwen3's enable_thinking)
 
     @property
     def max_tokens_param(self) -> str:
@@ -476,6 +477,7 @@ class TokenizeRequest(RequestModel):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 

@@ -8,12 +8,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from kiln.runtime.sampling_params import ReasoningTokens
+from kiln.runtime.structured_output import ReasoningPhase, first_phase
 from kiln.server.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def reasoning_tokens(parser: str, token_to_id: Callable[[str], int | None]) -> ReasoningTokens | None:
+    """The markers' token ids, for a structured output to hold outside the reasoning; None where the
+    vocabulary spells them in several tokens (the constraint then holds from the reply's first token)."""
+    start, end = token_to_id(START), token_to_id(END)
+    if start is None or end is None:
+        return None
+    return ReasoningTokens(start, end, implicit_start=parser == "deepseek_r1")
+
+
+def reply_parser(parser: str, tokens: ReasoningTokens | None, prompt: list[int]) -> str:
+    """How a reply's reasoning reads after `prompt`, as the engine's constraint sees it: where the prompt
+    opened the block (or `parser` implies it) the reply starts inside, as deepseek_r1 reads it; where
+    the prompt closed it, or left none, the reply reasons only if it opens a block, as qwen3 reads it."""
+    if tokens is None:
+        return parser
+    return "deepseek_r1" if first_phase(tokens, prompt) is ReasoningPhase.INSIDE else "qwen3"
 
 
 def split(parser: str, text: str, final: bool) -> tuple[str, str]:

@@ -38,8 +38,7 @@ from kiln.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from kiln.server.reasoning import END as REASONING_END
-from kiln.server.reasoning import ReasoningStream
+from kiln.server.reasoning import ReasoningStream, reasoning_tokens, reply_parser
 from kiln.server.reasoning import split as split_reasoning
 from kiln.server.serving_engine import (
     ClientDisconnected,
@@ -60,6 +59,7 @@ from kiln.server.tools import ToolPlan, call_id, plan
 class _ChatPrepared:
     prepared: Prepared
     tools: ToolPlan
+    reasoning_parser: str | None  # how this reply's reasoning reads (reasoning.reply_parser)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -68,13 +68,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat = await asyncio.to_thread(self._prepare, request)
-        prepared, tools = chat.prepared, chat.tools
+        prepared, tools, parser = chat.prepared, chat.tools, chat.reasoning_parser
         hold = self.admit([prepared])
         request_id = self.request_id("chatcmpl")
         stream = self.generate(prepared, request_id)
         created = int(time.time())
         if request.stream:
-            body = sse_errors(self._stream(request, tools, request_id, created, stream), hold)
+            body = sse_errors(self._stream(request, tools, parser, request_id, created, stream), hold)
             hold.release_with(body)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(error) from None
         finally:
             hold.release()
-        return JSONResponse(self._response(request, tools, request_id, created, final).model_dump())
+        return JSONResponse(self._response(request, tools, parser, request_id, created, final).model_dump())
 
     def _prepare(self, request: ChatCompletionRequest) -> _ChatPrepared:
         """Templated, tokenized and checked; run off the event loop (long messages take a while)."""
@@ -104,33 +104,35 @@ class OpenAIServingChat(OpenAIServing):
                 params = dataclasses.replace(params, structured_output=tools.constraint)
             if tools.mode == "auto":  # tool-call markers are often special tokens (Qwen's <tool_call>)
                 params = dataclasses.replace(params, skip_special_tokens=False)
-            if self.reasoning_parser is not None:  # <think> may be special; a grammar starts after it
-                end = self.tokenizer.token_to_id(REASONING_END)
-                params = dataclasses.replace(params, skip_special_tokens=False, structured_output_after=end)
+            if self.reasoning_parser is not None:  # <think> may be special; a grammar holds outside it
+                reasoning = reasoning_tokens(self.reasoning_parser, self.tokenizer.token_to_id)
+                params = dataclasses.replace(params, skip_special_tokens=False, reasoning=reasoning)
             return params
 
         params = self.sampling_params(request, make)
-        text = self.render_chat(request.messages, request.add_generation_prompt, tools.tools)
+        text = self.render_chat(
+            request.messages, request.add_generation_prompt, tools.tools, request.chat_template_kwargs
+        )
         token_ids = self.encode(text, "messages", add_special_tokens=False)
         prepared = self.check_prompt(token_ids, params, "messages", request.max_tokens_param)
-        return _ChatPrepared(prepared, tools)
+        parser = self.reasoning_parser
+        if parser is not None:
+            parser = reply_parser(parser, prepared.params.reasoning, token_ids)
+        return _ChatPrepared(prepared, tools, parser)
 
     def _response(
         self,
         request: ChatCompletionRequest,
         tools: ToolPlan,
+        parser: str | None,
         request_id: str,
         created: int,
         final: RequestOutput,
     ) -> ChatCompletionResponse:
         choices = []
         for output in sorted(final.outputs, key=lambda o: o.index):
-            reasoning, text = (
-                split_reasoning(self.reasoning_parser, output.text, True)
-                if self.reasoning_parser
-                else ("", output.text)
-            )
-            content: str | None = text if text or not self.reasoning_parser else None
+            reasoning, text = split_reasoning(parser, output.text, True) if parser else ("", output.text)
+            content: str | None = text if text or not parser else None
             calls: list[ToolCall] = []
             if tools.parser is not None:
                 parsed = tools.parser(text, True)
@@ -156,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         tools: ToolPlan,
+        parser: str | None,
         request_id: str,
         created: int,
         stream: AsyncIterator[RequestOutput],
@@ -173,11 +176,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         ended: set[int] = set()
         readers = {i: ToolCallStream(tools.parser) for i in range(request.n)} if tools.parser else {}
-        thinkers = (
-            {i: ReasoningStream(self.reasoning_parser) for i in range(request.n)}
-            if self.reasoning_parser
-            else {}
-        )
+        thinkers = {i: ReasoningStream(parser) for i in range(request.n)} if parser else {}
         calls_sent: dict[int, int] = {}
         final = None
         async for output in stream:

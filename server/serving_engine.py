@@ -175,13 +175,21 @@ class OpenAIServing:
         messages: Sequence[ChatMessageParam],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """`template_kwargs`: the request's chat_template_kwargs, variables the template reads."""
         if not messages:
             raise bad_request("messages must hold at least one message", "messages")
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or {})
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {sorted(reserved)}: they have their own fields",
+                "chat_template_kwargs",
+            )
         chat = template_messages(list(messages))
         try:
             return self.tokenizer.apply_chat_template(
-                chat, add_generation_prompt=add_generation_prompt, tools=tools
+                chat, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
             )
         except KilnError as error:
             raise bad_request(error.one_line(), "messages") from None

@@ -24,7 +24,9 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         if request.messages is not None:
-            text = self.render_chat(request.messages, request.add_generation_prompt)
+            text = self.render_chat(
+                request.messages, request.add_generation_prompt, template_kwargs=request.chat_template_kwargs
+            )
             token_ids = self.encode(text, "messages", add_special_tokens=bool(request.add_special_tokens))
         else:
             special = True if request.add_special_tokens is None else request.add_special_tokens

@@ -38,16 +38,17 @@ def test_structured_output_offline(smollm2_gguf_path) -> None:
     )
     assert llm.generate("The year was", regex)[0].outputs[0].text.isdigit()
     tokenizer = llm.get_tokenizer()
-    thinking = tokenizer.encode("Hmm", add_special_tokens=False)[0]
-    after = kiln.SamplingParams(  # a free token first (forced by the bias), then the grammar
+    opens, closes = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Hmm", "Ok"))
+    after = kiln.SamplingParams(  # the reply opens a block (forced by the bias), closes it, then the grammar
         temperature=0,
         max_tokens=10,
-        logit_bias={thinking: 100},
+        logit_bias={opens: 50, closes: 100},
         structured_output=kiln.StructuredOutput.choice(["yes", "no"]),
-        structured_output_after=thinking,
+        reasoning=kiln.ReasoningTokens(opens, closes),
     )
     output = llm.generate("Is water wet?", after)[0].outputs[0]
-    assert output.token_ids[0] == thinking and tokenizer.decode(output.token_ids[1:]) in ("yes", "no")
+    assert output.token_ids[:2] == [opens, closes], output.token_ids
+    assert tokenizer.decode(output.token_ids[2:]) in ("yes", "no")
     with pytest.raises(ValueError, match="the grammar does not compile"):
         llm.generate("x", kiln.SamplingParams(structured_output=kiln.StructuredOutput("grammar", "root ::=")))
 

@@ -4,6 +4,8 @@ reply is reasoning, with qwen3 its whole reply is content)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 
@@ -54,3 +56,119 @@ def test_through_the_server(start_server, parser: str) -> None:
         for key in streamed:
             streamed[key] += delta.get(key) or ""
     assert streamed == {"reasoning_content": reasoning or "", "content": message.content or ""}
+
+
+# A Qwen3-style chat template: thinking on by default (the reply may open `<think>` itself), off with
+# chat_template_kwargs {"enable_thinking": false} (the prompt closes an empty block); `opened` is the
+# DeepSeek-R1 style, whose prompt opens the block.
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant "
+    "{% if enable_thinking is defined and enable_thinking is false %}<think> </think>{% endif %}"
+    "{% if opened is defined and opened %}<think>{% endif %}{% endif %}"
+)
+SPECIAL = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+THINK, END_THINK = SPECIAL.index("<think>"), SPECIAL.index("</think>")
+CHOICES = ["w7", "w9", "w11"]
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_engine() -> Any:
+    """A tiny random Qwen3 (qk-norm) with a word-level vocabulary whose special tokens are Qwen3's."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.frontend.capture import capture_weights
+    from kiln.frontend.config import ModelConfig
+    from kiln.frontend.models import model_class
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.scheduler import SchedulerConfig
+    from kiln.runtime.tokenizer import Tokenizer
+
+    config = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        qk_norm=True,
+    )
+    with torch.device("meta"):
+        shapes = model_class(config)(config).state_dict()
+    generator = torch.Generator().manual_seed(3)
+    weights = {name: torch.randn(t.shape, generator=generator) * 0.5 for name, t in shapes.items()}
+    captured = capture_weights(config, weights)
+    vocab = {**{token: i for i, token in enumerate(SPECIAL)}}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = [
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, token in enumerate(SPECIAL)
+        if i > 0
+    ]
+    tokenizer = Tokenizer(json.dumps(data), QWEN3_TEMPLATE, None, "<|im_end|>", False, [1, 3])
+    engine_config = EngineConfig(block_size=4, num_blocks=64, scheduler=SchedulerConfig(8, 32, True))
+    return LLMEngine(
+        ReferenceExecutable(captured.graph, captured.weights), tokenizer, "tiny", 256, engine_config
+    )
+
+
+@pytest.mark.parametrize(
+    ("parser", "template_kwargs", "bias", "reasoning"),
+    [
+        ("qwen3", {}, {}, None),  # the reply does not think: constrained from its first token
+        ("qwen3", {}, {THINK: 50, END_THINK: 100}, ""),  # it opens and closes a block, then the choice
+        ("qwen3", {"enable_thinking": False}, {THINK: 100}, None),  # the prompt closed it: no new block
+        ("qwen3", {"opened": True}, {END_THINK: 100}, ""),  # the prompt opened it
+        ("deepseek_r1", {}, {END_THINK: 100}, ""),  # the reply starts inside its reasoning
+    ],
+)
+def test_a_structured_output_holds_outside_the_reasoning(
+    start_app, tiny_qwen3_engine, parser: str, template_kwargs: dict, bias: dict, reasoning: str | None
+) -> None:
+    """The choice constrains the reply wherever its reasoning block starts and ends, or where it has
+    none (before, a reply that never wrote `</think>` was never constrained)."""
+    app = start_app(tiny_qwen3_engine, reasoning_parser=parser)
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+    for seed in range(4):
+        message = (
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "w20 w21 w22"}],
+                max_tokens=8,
+                temperature=1.0,
+                seed=seed,
+                logit_bias={str(token): value for token, value in bias.items()},
+                extra_body={
+                    "structured_outputs": {"choice": CHOICES},
+                    "chat_template_kwargs": template_kwargs,
+                },
+            )
+            .choices[0]
+            .message
+        )
+        assert (message.content or "").strip() in CHOICES, (seed, message)  # word-level text: " w9"
+        thought = getattr(message, "reasoning_content", None)
+        assert (thought if thought is None else thought.strip()) == reasoning, message
