@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -454,9 +455,19 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-AARCH64_PYTHON = Path(  # scripts/aarch64_python.sh
-    os.environ.get("KILN_AARCH64_PYTHON", Path.home() / ".cache" / "kiln" / "aarch64-python")
+AARCH64_PYTHON = Path(  # where scripts/aarch64_python.sh builds it: $KILN_HOME/aarch64-python
+    os.environ.get("KILN_AARCH64_PYTHON")
+    or Path(os.environ.get("KILN_HOME", Path.home() / ".cache" / "kiln")).expanduser() / "aarch64-python"
 )
+# qemu-aarch64's CPU model for a target's mcpu, so that an instruction the target lacks traps (qemu's
+# default `max` has them all). qemu 7.2 (Debian bookworm) has no neoverse-v1: its i8mm runs on `max`.
+QEMU_CPU = {"cortex-a76": "cortex-a76", "neoverse-n1": "neoverse-n1", "neoverse-v1": "max"}
+
+
+@pytest.fixture(scope="session")
+def qemu_env() -> Callable[[str], dict[str, str]]:
+    """`qemu_env(mcpu)`: the environment for the emulated Python to run code built for `mcpu` as that CPU."""
+    return lambda mcpu: {**os.environ, "QEMU_CPU": QEMU_CPU[mcpu]}
 
 
 def missing_for_aarch64_emulation() -> str | None:

@@ -8,7 +8,7 @@ import pytest
 
 from kiln.backends.base import BuildRequest
 from kiln.backends.registry import BACKEND_NAMES, get_backend
-from kiln.backends.targets import Target, host_gpu_arch
+from kiln.backends.targets import Target, host_gpu_arch, host_machine
 from kiln.compiler import ModelOptions, OptionsError, resolve
 
 
@@ -100,3 +100,37 @@ def test_every_backend_declares_what_it_builds_for_the_cpu(name: str) -> None:
     )
     if refusal is not None and capabilities.unavailable is None:
         assert refusal.option == "kv_cache_dtype" and refusal.hint
+
+
+@pytest.mark.parametrize(
+    ("gpu", "builds", "expected", "reason"),
+    [
+        (None, True, "cpu", "no NVIDIA GPU here: TVM for this CPU"),
+        ("sm_120", True, "cpu", "the GPU is sm_120, not one of sm_70"),
+        ("sm_100", True, "cpu", "the GPU is sm_100, not one of sm_70"),
+        ("sm_90", False, "cpu", "this host cannot build for its GPU (no nvcc here"),
+        ("sm_90", True, "cuda", "the local GPU is sm_90"),
+        ("sm_87", True, "cuda", "the local GPU is sm_87"),  # a Jetson's arch; the host code is this machine's
+    ],
+)
+def test_auto_on_each_kind_of_gpu_host(
+    smollm2_gguf_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    gpu: str | None,
+    builds: bool,
+    expected: str,
+    reason: str,
+) -> None:
+    """`--backend auto` where this host has (simulated) a supported GPU it can build for, one it cannot
+    build for, an arch Kiln does not know, or none."""
+    from kiln.backends.tvm import cuda
+    from kiln.compiler import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "host_gpu_arch", lambda: gpu)
+    monkeypatch.setattr(cuda, "unsupported_arch", lambda arch: None if builds else f"no nvcc here for {arch}")
+    plan = resolve(ModelOptions(str(smollm2_gguf_path)))
+    if expected == "cuda":
+        expected = Target("cuda", gpu, host_machine()).name
+    assert plan.backend == "tvm" and [t.name for t in plan.targets] == [expected]
+    assert reason in plan.reason, plan.reason
+    assert plan.kv_cache_dtype == ("f16" if expected == "cpu" else None)

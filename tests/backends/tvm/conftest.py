@@ -56,10 +56,12 @@ EMULATED_RUN = Path(__file__).with_name("emulated_run.py")
 
 
 @pytest.fixture
-def run_aarch64(tmp_path: Path, aarch64_python: Path) -> Callable[[list[dict[str, Any]]], None]:
-    """Runs emulated_run.py's jobs under qemu-aarch64."""
+def run_aarch64(
+    tmp_path: Path, aarch64_python: Path, qemu_env: Callable[[str], dict[str, str]]
+) -> Callable[[list[dict[str, Any]], str], None]:
+    """Runs emulated_run.py's jobs under qemu-aarch64 as the CPU `mcpu` (conftest.QEMU_CPU)."""
 
-    def run(jobs: list[dict[str, Any]]) -> None:
+    def run(jobs: list[dict[str, Any]], mcpu: str) -> None:
         (tmp_path / "jobs.json").write_text(json.dumps(jobs))
         library_dir = aarch64_python / "site-packages" / "tvm" / "lib"
         command = [
@@ -68,7 +70,7 @@ def run_aarch64(tmp_path: Path, aarch64_python: Path) -> Callable[[list[dict[str
             str(library_dir),
             str(tmp_path / "jobs.json"),
         ]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=qemu_env(mcpu))
         assert done.returncode == 0, done.stderr[-3000:]
 
     return run

@@ -6,7 +6,6 @@ triples; `cuda:sm_87`'s step.so is an aarch64 ELF carrying sm_87 SASS."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -70,7 +69,8 @@ def test_cortex_a76_step_under_qemu_matches_the_reference(
                 "inputs": str(tmp_path / "inputs.npz"),
                 "output": str(tmp_path / "logits.npy"),
             }
-        ]
+        ],
+        "cortex-a76",
     )
     ours = np.load(tmp_path / "logits.npy")[: expected.shape[0]]
     error = float(np.abs(ours - expected).max() / np.abs(expected).max())
@@ -117,7 +117,7 @@ GENERATE = ("--prompt", "The capital of France is", "--max-tokens", "8", "--temp
 
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_under_qemu_match_x86_with_the_whole_runtime(
-    tmp_path: Path, aarch64_python: Path
+    tmp_path: Path, aarch64_python: Path, qemu_env
 ) -> None:
     """kiln generate itself (tokenizer, engine, the TVM runtime; no torch, no TVM compiler) in the emulated
     aarch64 Python with scripts/aarch64_runtime.sh's packages, against the same artifact's x86 target."""
@@ -140,7 +140,7 @@ def test_smollm2_greedy_tokens_under_qemu_match_x86_with_the_whole_runtime(
     (tmp_path / "path").mkdir()
     (tmp_path / "path" / "kiln").symlink_to(Path(kiln_package.__file__).parent)
     env = {
-        **os.environ,
+        **qemu_env("cortex-a76"),
         "KILN_HOME": str(tmp_path / "home"),
         "KILN_TVM_LIBRARY_DIR": str(aarch64_python / "site-packages" / "tvm" / "lib"),
         "PYTHONPATH": f"{runtime_packages}:{tmp_path / 'path'}",

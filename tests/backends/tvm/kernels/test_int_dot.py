@@ -4,6 +4,12 @@ against float32 on dequantized weights."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -52,7 +58,7 @@ VARIANTS = {
     "vnni256": ("alderlake", {"avx_vnni"}),
     "avx2": ("znver3", {"avx2"}),
 }
-# run under qemu-aarch64 (conftest.run_aarch64), whose default CPU has dotprod and i8mm
+# run under qemu-aarch64 (conftest.run_aarch64) as that CPU (qemu's neoverse-v1 stand-in is `max`)
 EMULATED = {"neon_dot": "cortex-a76", "neon_i8mm": "neoverse-v1"}
 # The kernel's sums are exact integers; only the float32 epilogue rounds.
 EXACT_TOLERANCE = 1e-5  # against the same arithmetic in float64
@@ -207,11 +213,39 @@ def test_the_largest_sums_fit_their_lanes(
     ("variant", "activation_bits"), [("neon_dot", 16), ("neon_dot", 8), ("neon_i8mm", 16), ("neon_i8mm", 8)]
 )
 def test_the_aarch64_variants_under_qemu(variant: str, activation_bits: int, tmp_path, run_aarch64) -> None:
+    jobs, checks = _aarch64_jobs(variant, activation_bits, tmp_path)
+    run_aarch64(jobs, EMULATED[variant])
+    for spec, value_bits, model_weights, x, rows, name in checks:
+        ours = np.load(tmp_path / f"{name}.npy").reshape(-1, N)[:rows]
+        _check(spec, value_bits, model_weights, x, ours, rows, variant, activation_bits)
+
+
+@pytest.mark.slow
+def test_qemu_traps_an_instruction_the_target_lacks(tmp_path, aarch64_python, qemu_env) -> None:
+    """The i8mm kernel run as a cortex-a76 (no i8mm) dies with SIGILL: the emulated runs check the code
+    on its target's CPU, not on qemu's `max`, which has every extension."""
+    jobs, _ = _aarch64_jobs("neon_i8mm", 8, tmp_path, specs=SPECS[:1])
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    library_dir = aarch64_python / "site-packages" / "tvm" / "lib"
+    command = [
+        str(aarch64_python / "run"),
+        str(Path(__file__).parents[1] / "emulated_run.py"),
+        str(library_dir),
+        str(tmp_path / "jobs.json"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=qemu_env("cortex-a76"))
+    assert done.returncode == -signal.SIGILL, (done.returncode, done.stderr[-2000:])
+
+
+def _aarch64_jobs(
+    variant: str, activation_bits: int, tmp_path: Path, specs: list[Any] | None = None
+) -> tuple[list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """Each spec's kernel cross-compiled for the variant's CPU, and emulated_run.py's jobs for its inputs."""
     from tvm.support import cc
 
     target = tvm.target.Target({"kind": "llvm", "mtriple": TRIPLES["aarch64"], "mcpu": EMULATED[variant]})
     jobs, checks = [], []
-    for index, (spec, value_bits) in enumerate(SPECS):
+    for index, (spec, value_bits) in enumerate(specs or SPECS):
         library = tmp_path / f"kernel{index}.so"
         tvm.compile(_kernel(spec, value_bits, variant, activation_bits), target=target).export_library(
             str(library), fcompile=cc.cross_compiler("aarch64-linux-gnu-gcc")
@@ -231,10 +265,7 @@ def test_the_aarch64_variants_under_qemu(variant: str, activation_bits: int, tmp
                 }
             )
             checks.append((spec, value_bits, model_weights, x, rows, name))
-    run_aarch64(jobs)
-    for spec, value_bits, model_weights, x, rows, name in checks:
-        ours = np.load(tmp_path / f"{name}.npy").reshape(-1, N)[:rows]
-        _check(spec, value_bits, model_weights, x, ours, rows, variant, activation_bits)
+    return jobs, checks
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
