@@ -487,3 +487,37 @@ def aarch64_python() -> Path:
     if missing is not None:
         pytest.skip(missing)
     return AARCH64_PYTHON
+
+
+# What a skip may name where every tool was set up (KILN_STRICT_SKIPS=1, as .ci/run sets it): hardware
+# this machine lacks, or has. Any other skip (a model, a toolchain, an emulated Python that is
+# missing) means the set-up failed, and fails the run.
+HARDWARE_SKIPS = (
+    "no NVIDIA GPU",
+    "this machine has a GPU",
+    "this machine's GPU is",
+    "a GPU host",
+    "this CPU lacks",
+    "this CPU reports AMX",
+    "AMX is x86-64's",
+    "the refusal is of an aarch64 build on an x86-64 machine",
+)
+
+
+def _skip_reason(report: Any) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2] if isinstance(longrepr, tuple) else longrepr).removeprefix("Skipped: ")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if os.environ.get("KILN_STRICT_SKIPS") != "1" or reporter is None:
+        return
+    reasons = {_skip_reason(r) for r in reporter.stats.get("skipped", []) if getattr(r, "skipped", False)}
+    set_up_failures = sorted(r for r in reasons if not r.startswith(HARDWARE_SKIPS))
+    if set_up_failures:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "KILN_STRICT_SKIPS: skips that mean something was not set up", red=True)
+        for reason in set_up_failures:
+            reporter.write_line(reason, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
