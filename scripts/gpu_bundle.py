@@ -327,6 +327,8 @@ def check_llama8b(out: Path, info: dict[str, Any], bandwidth: float) -> dict[str
         if graphs == "nographs" and executable.graphs is not None:
             executable.graphs.enabled = False  # the same code and weights, plain calls
         speeds[graphs] = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
+        if graphs == "graphs":
+            require_graphs(executable, "llama8b", True)
         for batch, speed in speeds[graphs].items():
             step_s = batch / speed
             print(
@@ -350,6 +352,25 @@ def hbm_bandwidth() -> tuple[float, str]:
     return HBM_BYTES_PER_S["H200"], f"{name}: unknown, assuming the H200's 4.8 TB/s"
 
 
+def require_graphs(executable: Any, name: str, graphs: bool) -> dict[int, int]:
+    """The graphs captured per decode bucket; fails where a build with graphs timed plain calls (a capture
+    failed, or a batch's bucket has none), so that "graphs" and "no graphs" never time the same thing."""
+    if not graphs:
+        if executable.graphs is not None:
+            fail(f"{name}: built without CUDA graphs, yet the executable captures them")
+        return {}
+    if executable.graphs is None:
+        fail(f"{name}: built with CUDA graphs, but the executable has none (step.json cuda_graph)")
+    try:
+        for batch in BATCHES:
+            executable.graphs.require(batch)
+    except RuntimeError as error:
+        fail(f"{name}: {error}")
+    captured = executable.graphs.captured_buckets()
+    print(f"  CUDA graphs captured per decode bucket (rows: graphs): {captured}")
+    return captured
+
+
 def check(out: Path) -> None:
     if not torch.cuda.is_available():
         fail("torch sees no CUDA GPU")
@@ -363,7 +384,7 @@ def check(out: Path) -> None:
     programs = {key: make_program(info["config"], info["seed"], *key) for key in PROGRAMS}
     bandwidth, described = hbm_bandwidth()
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "arch": here, "tolerance": TOLERANCE}
-    for name, (quantization, _graphs, kv_cache) in BUILDS.items():
+    for name, (quantization, graphs, kv_cache) in BUILDS.items():
         if not (out / name).is_dir():
             print(f"{name}: not in this bundle, skipped")
             continue
@@ -377,7 +398,13 @@ def check(out: Path) -> None:
         if error > tolerance:
             fail(f"{name}: CUDA logits differ from the reference by {error:.3g} (tolerance {tolerance:g})")
         speeds = {batch: decode_tokens_per_s(executable, batch) for batch in BATCHES}
-        results[name] = {"max_rel_error": error, "decode_tokens_per_s": speeds, "weight_bytes": weight_bytes}
+        captured = require_graphs(executable, name, graphs)
+        results[name] = {
+            "max_rel_error": error,
+            "decode_tokens_per_s": speeds,
+            "weight_bytes": weight_bytes,
+            "graphs_captured_per_bucket": captured,
+        }
         for batch, speed in speeds.items():
             floor_s = weight_bytes / bandwidth
             print(

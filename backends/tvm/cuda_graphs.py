@@ -125,7 +125,30 @@ class DecodeGraphs:
     def __init__(self, capture: Capture = capture_cuda_graph) -> None:
         self.captured: dict[GraphKey, Captured] = {}
         self.enabled = True
+        self.failure: str | None = None  # why a capture failed (graphs are then off)
         self._capture = capture
+
+    def captured_buckets(self) -> dict[int, int]:
+        """Decode bucket (rows) → graphs captured for it."""
+        counts: dict[int, int] = {}
+        for key in self.captured:
+            counts[key.bucket] = counts.get(key.bucket, 0) + 1
+        return counts
+
+    def require(self, rows: int | None = None) -> None:
+        """Raise unless graphs are on, no capture failed and (given `rows`) the decode bucket of that many
+        rows has a graph: a check for a GPU run that means to time or test replays, not plain calls."""
+        if self.failure is not None:
+            raise RuntimeError(f"CUDA graph capture failed: {self.failure}")
+        if not self.enabled:
+            raise RuntimeError("CUDA graphs are off")
+        if rows is not None:
+            bucket = next((b for b in DECODE_BUCKETS if b >= rows), None)
+            if bucket not in self.captured_buckets():
+                raise RuntimeError(
+                    f"no CUDA graph was captured for {rows} decode rows (bucket {bucket}); "
+                    f"captured: {self.captured_buckets() or 'none'}"
+                )
 
     def run(self, executable: Any, inputs: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """Logits of a decode step by graph replay (a tensor of their own); None when the step is
@@ -144,6 +167,7 @@ class DecodeGraphs:
             except Exception as error:  # a driver or TVM refusal: run without graphs from now on
                 warnings.warn(f"CUDA graph capture failed, running without graphs: {error}", stacklevel=2)
                 self.enabled = False
+                self.failure = f"{type(error).__name__}: {error}"
                 return None
             self.captured[key] = entry
         for buffer, tensor in zip(entry.tensors, executable.upload(host), strict=True):

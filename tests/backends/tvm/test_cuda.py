@@ -262,6 +262,11 @@ def test_smollm2_cuda_logits_match_the_reference(smollm2_cuda: Path, smollm2_o2)
     expected = smollm2_o2.executable.step(inputs, reference_cache)
     error = float(np.abs(logits - expected).max() / np.abs(expected).max())
     assert error < 1e-3, f"CUDA logits differ from the reference by {error:.3g}"
+    for step in range(2):  # decode: the first is captured as a CUDA graph, the second replays it
+        decode = build_step_inputs([SequenceSlice([42 + step], len(token_ids) + step, blocks)], 16)
+        assert np.isfinite(artifact.executable.step(decode, cache)).all()
+    assert artifact.executable.graphs is not None, "the CUDA build runs without CUDA graphs"
+    artifact.executable.graphs.require(1)  # a capture that failed would have run plain calls
 
 
 def test_gpu_attention_kernels_take_a_float8_cache_with_runtime_scales() -> None:

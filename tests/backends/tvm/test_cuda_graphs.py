@@ -120,6 +120,29 @@ def test_replayed_decode_steps_match_plain_steps_and_are_copied_out(tiny_tvm) ->
     assert all(torch.equal(held, kept) for held, kept in replayed)  # later replays left them alone
     assert torch.equal(cache, plain_cache)
     assert captures == [graph_key(4, 4, cache)]  # one capture: same bucket, width and cache
+    graphs.require(3)  # what scripts/gpu_bundle.py asks before timing replays
+    assert graphs.captured_buckets() == {4: 1}
+    with pytest.raises(RuntimeError, match=r"no CUDA graph was captured for 16 decode rows \(bucket 16\)"):
+        graphs.require(16)
+
+
+def test_a_failed_capture_runs_plain_steps_and_fails_the_check(tiny_tvm) -> None:
+    """A capture that always fails leaves every step correct (plain calls), but `require`, which the GPU
+    check and test call, says so: graphs and no graphs never pass for the same thing."""
+    prompts, tables = [[3, 4, 5]], [[1, 2]]
+    cache = as_torch(tiny_tvm.kv_cache_spec.allocate(4, BLOCK_SIZE))
+    tiny_tvm.step(build_step_inputs([SequenceSlice(prompts[0], 0, tables[0])], BLOCK_SIZE), cache)
+
+    def refused(*_: object) -> Captured:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = DecodeGraphs(refused)
+    tiny_tvm.staging = InputStaging("cpu")
+    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+        assert graphs.run(tiny_tvm, _decode(prompts, tables, 0), cache) is None
+    assert graphs.run(tiny_tvm, _decode(prompts, tables, 1), cache) is None  # off from now on
+    with pytest.raises(RuntimeError, match="capture failed: RuntimeError: operation not permitted"):
+        graphs.require()
 
 
 def test_the_key_holds_the_cache_and_tells_its_shape() -> None:
