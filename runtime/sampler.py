@@ -54,10 +54,13 @@ def apply_token_bitmask(logits: npt.ArrayLike, bitmask: npt.ArrayLike) -> FloatA
     return _mask_tokens(_as_logits(logits), bitmask, in_place=False)
 
 
-def make_generator(seed: int | None) -> np.random.Generator:
+def make_generator(seed: int | None, stream: int = 0) -> np.random.Generator:
     """A PCG64 generator seeded from `seed`, or from fresh OS randomness when `seed` is None. A negative
-    seed counts modulo 2**64, as torch's manual_seed takes it."""
-    return np.random.Generator(np.random.PCG64(None if seed is None else seed % 2**64))
+    seed counts modulo 2**64, as torch's manual_seed takes it. `stream` > 0: another stream of the same
+    seed, independent of stream 0's (a speculative draft's draws must not repeat the verifier's)."""
+    if seed is None or stream == 0:
+        return np.random.Generator(np.random.PCG64(None if seed is None else seed % 2**64))
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed % 2**64, stream])))
 
 
 def sample(
@@ -191,6 +194,23 @@ def apply_top_p(logits: npt.ArrayLike, top_p: Sequence[float]) -> FloatArray:
 def apply_min_p(logits: npt.ArrayLike, min_p: Sequence[float]) -> FloatArray:
     """Drop each row's tokens whose probability is below min_p times the row's highest probability."""
     return _min_p(_as_logits(logits), min_p, in_place=False)
+
+
+def apply_distribution_filters(logits: npt.ArrayLike, params: Sequence[SamplingParams]) -> FloatArray:
+    """Temperature, top-k, top-p and min-p, in the order sampling applies them: the logits a sampled
+    row draws from (a speculative draft draws from its own the same way)."""
+    return _distribution_filters(_as_logits(logits), params, in_place=False)
+
+
+def _distribution_filters(
+    logits: FloatArray, params: Sequence[SamplingParams], *, in_place: bool
+) -> FloatArray:
+    """Each filter copies the caller's logits (in_place False) only when it changes them."""
+    original = logits
+    logits = _temperature(logits, [p.temperature for p in params], in_place=in_place)
+    logits = _top_k(logits, [p.top_k for p in params], in_place=in_place or logits is not original)
+    logits = _top_p(logits, [p.top_p for p in params], in_place=in_place or logits is not original)
+    return _min_p(logits, [p.min_p for p in params], in_place=in_place or logits is not original)
 
 
 def softmax(logits: npt.ArrayLike) -> FloatArray:
@@ -426,10 +446,7 @@ def _choose(
         return chosen
     params = [sequences[i].params for i in rows]
     filtered = processed if owned and len(rows) == len(sequences) else processed[rows]
-    filtered = _temperature(filtered, [p.temperature for p in params], in_place=True)
-    filtered = _top_k(filtered, [p.top_k for p in params], in_place=True)
-    filtered = _top_p(filtered, [p.top_p for p in params], in_place=True)
-    filtered = _min_p(filtered, [p.min_p for p in params], in_place=True)
+    filtered = _distribution_filters(filtered, params, in_place=True)
     for j, i in enumerate(rows):
         draft = drafts[i] if drafts is not None else None
         generator = sequences[i].generator

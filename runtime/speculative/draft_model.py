@@ -23,9 +23,11 @@ import numpy.typing as npt
 
 from kiln.backends.base import Executable, allocate_kv_cache
 from kiln.ir.step import SequenceSlice, build_step_inputs
-from kiln.runtime.sampler import draw, make_generator, softmax
+from kiln.runtime.sampler import apply_distribution_filters, draw, make_generator, softmax
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Sequence as EngineSequence
+
+DRAFT_STREAM = 1  # the draft's draws: a stream of the request's seed apart from the sampler's
 
 
 @dataclass
@@ -108,7 +110,7 @@ class DraftModelProposer:
             generator = None
             if not params.greedy:
                 seed = None if params.seed is None else params.seed + seq.index
-                generator = make_generator(seed)
+                generator = make_generator(seed, stream=DRAFT_STREAM)
             state = self._states[seq] = _DraftState(start, seq.num_preemptions, generator)
         state.computed = min(state.computed, seq.num_computed_tokens)  # what verification kept
         return state
@@ -119,5 +121,6 @@ class DraftModelProposer:
     ) -> tuple[int, npt.NDArray[np.float32] | None]:
         if state.generator is None:
             return int(np.argmax(logits)), None
-        scaled = logits / np.float32(seq.params.temperature)
-        return draw(scaled, state.generator), softmax(scaled)
+        # the request's own filters: a draft outside its top-k / top-p would always be rejected
+        (filtered,) = apply_distribution_filters(logits[None], [seq.params])
+        return draw(filtered, state.generator), softmax(filtered)

@@ -1,8 +1,8 @@
 """Every GGUF K-quant and Q5 type, imported as its blocks, through the TVM CPU and ONNX Runtime kernels
 against the reference (which dequantizes bit-identically to gguf): a one-layer Llama whose linear
 layers and LM head are random blocks of every type in turn (a mix, as in the files people download)
-and whose embedding table is Q4_K blocks, prefills of 1, 4, 16 and 64 rows; one with Q4_1 linears
-and a Q4_0 table; and a one-layer Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K
+and whose embedding table is Q4_K blocks, prefills of 1, 4, 16 and 64 rows; one with Q4_0, Q4_1 and
+Q8_0 linears and a Q4_0 table; and a one-layer Mixtral whose experts are Q4_K_M's mix (Q4_K gate and up, Q6_K
 down) and whose table is Q6_K. Each type's kernel on every instruction set is checked alone in
 tvm/kernels/test_int_dot.py."""
 
@@ -104,9 +104,11 @@ def test_tvm_and_onnxruntime_match_the_reference(tmp_path: Path, random_gguf_blo
     _check_backends(_program(TYPES, random_gguf_blocks, "Q4_K"), "every type", tmp_path)
 
 
-def test_q4_0_table_and_q4_1_linears(tmp_path: Path, random_gguf_blocks) -> None:
-    """The legacy types' 4-bit order (element j low, j + 16 high) gathered from the table."""
-    _check_backends(_program(("Q4_1",), random_gguf_blocks, "Q4_0"), "Q4_0 table", tmp_path)
+def test_legacy_types_as_linears_and_table(tmp_path: Path, random_gguf_blocks) -> None:
+    """Q4_0 (zero point 8), Q4_1 (a minimum) and Q8_0 linears through the compiled integer-dot kernels,
+    and the legacy 4-bit order (element j low, j + 16 high) gathered from a Q4_0 table."""
+    program = _program(("Q4_0", "Q4_1", "Q8_0"), random_gguf_blocks, "Q4_0")
+    _check_backends(program, "Q4_0 / Q4_1 / Q8_0 linears, Q4_0 table", tmp_path)
 
 
 def test_q4_k_m_experts(tmp_path: Path, random_gguf_blocks) -> None:
@@ -124,7 +126,9 @@ def _check_backends(program, ggml_type: str, tmp_path: Path) -> None:
     executables = {}
     for backend in (TVMBackend(), OnnxRuntimeBackend()):
         folder = tmp_path / backend.name
-        backend.compile(program, Target("cpu"), folder, CompileSettings(max_model_len=128))
+        code = backend.compile(program, Target("cpu"), folder, CompileSettings(max_model_len=128))
+        if backend.name == "tvm":  # the blocks run through the integer-dot kernels, not dequantized
+            assert any(name.startswith("qdot") for name in code.kernels), code.kernels
         executables[backend.name] = backend.load(folder, program.weights, Target("cpu"))
     for num_rows in ROWS:
         expected = _logits(reference, num_rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import kiln
 from kiln.runtime.sampling_params import SamplingParams
@@ -95,6 +96,63 @@ def test_tiny_draft_model_greedy_tokens_are_identical(make_tiny_engine, tiny_mod
             assert sorted(mirrored.values()) == sorted(plain[r] for r in greedy_ids)
         if num_blocks == 64:
             assert itself.stats.speculative.num_accepted_tokens == itself.stats.speculative.num_draft_tokens
+
+
+def test_draft_model_sampling_keeps_the_targets_distribution(make_tiny_engine, tiny_model) -> None:
+    """Through the engine: 3-token continuations (temperature 1, top-k 4) drafted by another model (the
+    target's weights plus noise), and without speculation, against the target's exact joint
+    distribution of the 64 continuations (21 steps of the target enumerate them): a chi-square
+    goodness-of-fit test must not reject at p = 0.001 for either, and drafts must be kept sometimes
+    and rejected sometimes (both paths of the rule ran)."""
+    from scipy.stats import chisquare
+
+    from kiln.backends.reference import ReferenceExecutable
+    from kiln.ir.step import SequenceSlice, build_step_inputs
+    from kiln.runtime.sampler import softmax
+
+    executable, _ = tiny_model
+    generator = torch.Generator().manual_seed(11)
+    noisy = {
+        name: w + 0.3 * w.std() * torch.randn(w.shape, generator=generator)
+        for name, w in executable.weights.items()
+    }
+    draft = ReferenceExecutable(executable.graph, noisy)
+    prompt, top_k, length = [5, 9, 14, 3, 27, 8], 4, 3
+
+    def next_tokens(prefix: list[int]) -> dict[int, float]:
+        cache = executable.kv_cache_spec.allocate(8, 4)
+        logits = executable.step(build_step_inputs([SequenceSlice(prefix, 0, [1, 2, 3, 4])], 4), cache)[0]
+        top = np.argsort(-logits, kind="stable")[:top_k]
+        return dict(zip(top.tolist(), softmax(logits[top]).tolist(), strict=True))
+
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        exact = {
+            (*seq, token): prob * p
+            for seq, prob in exact.items()
+            for token, p in next_tokens(prompt + list(seq)).items()
+        }
+    outcomes = sorted(exact)
+    samples, per_request = 3200, 16
+    for speculative in (None, DRAFT):
+        engine = make_tiny_engine(speculative=speculative, draft=draft if speculative else None)
+        for i in range(samples // per_request):
+            seed = per_request * i + (samples if speculative else 0)
+            params = SamplingParams(
+                n=per_request, temperature=1.0, top_k=top_k, seed=seed, max_tokens=length, ignore_eos=True
+            )
+            engine.add_request(f"r{i}", prompt, params)
+        tally = dict.fromkeys(outcomes, 0)
+        for request in engine.run_to_completion():
+            for output in request.outputs:
+                tally[tuple(output.token_ids)] += 1  # a continuation outside the top-k would fail here
+        observed = [tally[o] for o in outcomes]
+        total = sum(exact.values())  # 1 up to float32 rounding, which chisquare would refuse
+        expected = [samples * exact[o] / total for o in outcomes]
+        assert chisquare(observed, expected).pvalue > 0.001, (speculative, observed, expected)
+        if speculative is not None:
+            stats = engine.stats.speculative
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_the_prompts_last_token_may_speculate(make_tiny_engine, tiny_draft_model) -> None:

@@ -58,16 +58,17 @@ def test_errors_name_the_constraint_and_the_reason(grammars: Grammars) -> None:
 def test_grammars_are_cached_and_masks_follow_the_text(grammars: Grammars) -> None:
     constraint = StructuredOutput.choice(["yes", "no"])
     assert grammars.submit(constraint) is grammars.submit(StructuredOutput.choice(["yes", "no"]))
-    matcher = grammars.matcher(grammars.compile(constraint))
+    constrained = grammars.constraint(grammars.compile(constraint), None, [])
     tokenizer = grammars.tokenizer
-    bitmask = grammars.bitmask([matcher])
+    bitmask = grammars.bitmask([constrained])
+    assert bitmask is not None and grammars.bitmask([None]) is None
     assert bitmask.dtype == np.int32 and bitmask.shape == (1, -(-grammars.vocab_size // 32))
     allowed = apply_token_bitmask(np.zeros((1, grammars.vocab_size), dtype=np.float32), bitmask)
     first = {tokenizer.decode([int(t)]) for t in np.flatnonzero(np.isfinite(allowed[0]))}
     assert first and all("yes".startswith(t) or "no".startswith(t) for t in first)
     for token in tokenizer.encode("yes", add_special_tokens=False):
-        assert matcher.accept_token(token)
+        constrained.accept(token)
     allowed = apply_token_bitmask(
-        np.zeros((1, grammars.vocab_size), dtype=np.float32), grammars.bitmask([matcher])
+        np.zeros((1, grammars.vocab_size), dtype=np.float32), grammars.bitmask([constrained])
     )
     assert set(np.flatnonzero(np.isfinite(allowed[0])).tolist()) <= set(tokenizer.eos_token_ids)
