@@ -135,8 +135,15 @@ def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProces
     """Start `kiln serve` on SmolLM2 with extra flags; every server started is stopped at the end."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(smollm2_gguf_path, *args, api_key=api_key, env=env)
+    def start(
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> ServerProcess:
+        server = ServerProcess(
+            smollm2_gguf_path, *args, api_key=api_key, env=env, start_timeout_s=start_timeout_s
+        )
         started.append(server)
         return server
 

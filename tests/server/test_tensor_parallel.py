@@ -1,8 +1,9 @@
-"""`kiln serve --tensor-parallel-size 3` on SmolLM2 (reference backend, float32): the OpenAI routes answer
-with the tokens of one process; a worker killed mid-stream ends the stream with an error event, turns
-/health into 503, and SIGTERM still stops the server cleanly. The same model compiled at TP 3 and
-served by three torchrun "nodes" (each its own agent, joined over 127.0.0.1) answers the same, and
-stopping node 0 stops the others cleanly."""
+"""`kiln serve --tensor-parallel-size 3` on SmolLM2 on the documented default path (TVM, the GGUF's Q4_1
+blocks split between the ranks) answers greedy requests with the tokens of the one-process server. On
+the reference backend (float32): the OpenAI routes answer with the tokens of one process; a worker
+killed mid-stream ends the stream with an error event, turns /health into 503, and SIGTERM still stops
+the server cleanly. The same model compiled at TP 3 and served by three torchrun "nodes" (each its own
+agent, joined over 127.0.0.1) answers the same, and stopping node 0 stops the others cleanly."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ import kiln
 pytestmark = pytest.mark.slow
 
 TP_ARGS = ("--backend", "reference", "--quantization", "none", "--max-model-len", "512")
+
+
+def test_tp3_on_the_default_path_tvm_with_gguf_blocks_answers_as_one_process(
+    start_server, api_server
+) -> None:
+    server = start_server("--max-model-len", "512", "--tensor-parallel-size", "3", start_timeout_s=600)
+    assert "backend tvm" in server.log() and "quantization gguf" in server.log(), server.log()
+    assert "tensor-parallel 3" in server.log()
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        answers = [one.client().completions.create(model=one.model, **body) for one in (server, api_server)]
+        texts = [answer.choices[0].text for answer in answers]
+        assert texts[0] == texts[1], (prompt, texts)
+    assert server.stop() == 0
 
 
 def _workers(pid: int) -> list[int]:
