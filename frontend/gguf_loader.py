@@ -313,7 +313,8 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
         return _longrope(reader, arch, tensors, where)
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
-        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length") or 8192)
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        original = None if original is None else int(original)
         return _llama3_rope_scaling(np.asarray(rope_freqs.data, np.float32), head_dim, theta, original, where)
     if kind == "none" or (kind is None and factor in (None, 1.0)):
         return RopeScaling()
@@ -356,28 +357,53 @@ def _longrope(
 
 
 def _llama3_rope_scaling(
-    rope_freqs: np.ndarray, head_dim: int, theta: float, original: int, where: str
+    rope_freqs: np.ndarray, head_dim: int, theta: float, original: int | None, where: str
 ) -> RopeScaling:
     """Recover HF's llama3 rope parameters from llama.cpp's per-frequency `rope_freqs` factors.
 
-    llama.cpp stores only the factors; the factor is their maximum, and the other parameters are the
-    ones every Llama 3.x release uses, accepted only if they reproduce the stored factors.
+    llama.cpp stores only the factors: the factor is their maximum, the low and high frequency factors
+    are every Llama 3.x release's (1 and 4), and the original context is the file's
+    `rope.scaling.original_context_length`, else Llama 3's 8192, else the one the factors themselves
+    give (the factors fix the two wavelengths where scaling starts and ends, original / 4 and
+    original / 1): each is accepted only if it reproduces the stored factors.
     """
-    scaling = RopeScaling(
-        rope_type="llama3",
-        factor=float(rope_freqs.max()),
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=original,
+    factor = float(rope_freqs.max())
+    candidates = (
+        [original] if original is not None else [8192, _llama3_original_context(rope_freqs, head_dim, theta)]
     )
-    expected = _llama3_rope_factors(scaling, head_dim, theta)
-    if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-5, atol=1e-6):
-        raise ModelLoadError(
-            f"{where}: rope_freqs tensor does not match llama3 rope scaling with factor {scaling.factor}, "
-            f"low_freq_factor 1, high_freq_factor 4, original context {original}",
-            hint="this rope scaling is not supported; use the HF checkpoint with its config.json",
+    for context in candidates:
+        scaling = RopeScaling(
+            rope_type="llama3",
+            factor=factor,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=context or 8192,
         )
-    return scaling
+        expected = _llama3_rope_factors(scaling, head_dim, theta)
+        if expected.shape == rope_freqs.shape and np.allclose(expected, rope_freqs, rtol=1e-5, atol=1e-6):
+            return scaling
+    raise ModelLoadError(
+        f"{where}: rope_freqs tensor does not match llama3 rope scaling with factor {factor}, "
+        f"low_freq_factor 1, high_freq_factor 4 and any original context "
+        f"({', '.join(str(c) for c in candidates if c)})",
+        hint="this rope scaling is not supported; use the HF checkpoint with its config.json",
+    )
+
+
+def _llama3_original_context(rope_freqs: np.ndarray, head_dim: int, theta: float) -> int | None:
+    """The original context that llama3 scaling (low 1, high 4) of these factors implies: from a
+    frequency scaled part-way, original = wavelength * (1 + 3 * smooth); where none is, the smallest
+    original whose high-frequency bound (original / 4) lies above every unscaled wavelength."""
+    factor = float(rope_freqs.max())
+    wavelengths = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if factor <= 1.0 or rope_freqs.shape != wavelengths.shape:
+        return None
+    between = (rope_freqs > 1.0 + 1e-6) & (rope_freqs < factor * (1 - 1e-6))
+    if between.any():
+        smooth = (1 / rope_freqs[between] - 1 / factor) / (1 - 1 / factor)
+        return round(float(np.median(wavelengths[between] * (1 + 3 * smooth))))
+    unscaled = wavelengths[rope_freqs <= 1.0 + 1e-6]
+    return math.floor(4 * float(unscaled.max())) + 1 if unscaled.size else None
 
 
 def _llama3_rope_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:

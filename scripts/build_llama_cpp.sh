@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and llama-bench for THIS host, from the llama.cpp source vendored in
-# the llama-cpp-python sdist on PyPI (no other network access needed). Used by `make bench-peers`.
+# the llama-cpp-python sdist on PyPI (scripts/llama_cpp_source.sh: pinned, sha256-checked). Used by
+# `make bench-peers`.
 #
-#   scripts/build_llama_cpp.sh DEST [VERSION]
+#   scripts/build_llama_cpp.sh DEST
 #       -> DEST/bin/llama-server, llama-bench, llama-batched-bench, llama-quantize
 #          and DEST/src/.../vendor/llama.cpp (convert_hf_to_gguf.py, gguf-py) for scripts/make_shaped_gguf.py
 #
@@ -12,17 +13,9 @@
 # does run (an Intel Xeon with AMX under KVM, 2026-12-05: a tile multiply works), this llama.cpp's AMX
 # build still segfaults in llama-bench on a Q4_K_M model, so the peer is built without it there too.
 set -euo pipefail
-dest=$(realpath -m "${1:?usage: build_llama_cpp.sh DEST [VERSION]}")
-version=${2:-0.3.36}
-work="$dest/src"
-mkdir -p "$work" "$dest/bin"
-if [ ! -f "$work/llama_cpp_python-$version.tar.gz" ]; then
-  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
-fi
-if [ ! -d "$work/llama_cpp_python-$version" ]; then
-  tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
-fi
-source_dir="$work/llama_cpp_python-$version/vendor/llama.cpp"
+dest=$(realpath -m "${1:?usage: build_llama_cpp.sh DEST}")
+mkdir -p "$dest/bin"
+source_dir=$(bash "$(dirname "$0")/llama_cpp_source.sh" "$dest/src" | tail -n 1)
 flags=""
 if grep -qw amx_tile /proc/cpuinfo && [ "${KILN_LLAMA_AMX:-0}" != 1 ]; then
   flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -34,4 +27,4 @@ cmake -S "$source_dir" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE
 cmake --build "$dest/build" --target llama-server llama-bench llama-batched-bench llama-quantize -j "$(nproc)" >"$dest/build.log"
 for tool in llama-server llama-bench llama-batched-bench llama-quantize; do cp "$dest/build/bin/$tool" "$dest/bin/"; done
 isa=$(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || (grep -qw avx2 /proc/cpuinfo && echo AVX2 || echo "no AVX2"))
-echo "built $dest/bin/llama-server and llama-bench (llama.cpp from llama-cpp-python $version, -march=native: $isa)"
+echo "built $dest/bin/llama-server and llama-bench (llama.cpp from $source_dir, -march=native: $isa)"

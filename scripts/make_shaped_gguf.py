@@ -38,8 +38,8 @@ from the Qwen2.5-Coder-0.5B GGUF that `kiln pull qwen2.5-coder-0.5b-instruct` fe
 - llama3-8b: Qwen's first 128000 tokens (BPE vocabularies are in merge order, so this is a complete BPE
   of 128000 tokens; merges that need a dropped token are dropped), then Llama 3's 256 special tokens at
   128000-128255 (<|begin_of_text|>, <|eot_id|>, ...), Llama 3's pre-tokenizer regex and chat template.
-  No real vocabulary hashes like this one, so the converter is driven through a tiny wrapper that
-  imports it as a module and replaces only its pre-tokenizer lookup (`get_vocab_base_pre`): a
+  No real vocabulary hashes like this one, so the converter is driven through scripts/llama_cpp_convert.py,
+  which imports it as a module and replaces only its pre-tokenizer lookup (`get_vocab_base_pre`): a
   recognised hash must be the expected name, an unrecognised one becomes "llama-bpe" (how llama.cpp
   splits Llama 3 text). Everything else (vocab, merges, special tokens, chat template, GGUF layout) is
   the converter's own doing.
@@ -503,39 +503,14 @@ def find_llama_cpp(root: Path) -> LlamaCpp:
     return LlamaCpp(tools["llama-quantize"], tools["llama-bench"], sources[-1].parent)
 
 
-# Imports llama.cpp's converter as a module and replaces only its pre-tokenizer lookup (see the docstring).
-CONVERTER_WRAPPER = """
-import logging, sys
-source, expected = sys.argv[1], sys.argv[2]
-sys.argv = [source + "/convert_hf_to_gguf.py", *sys.argv[3:]]
-sys.path[:0] = [source, source + "/gguf-py"]
-import gguf
-from conversion.base import TextModel
-lookup = TextModel.get_vocab_base_pre
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        name = lookup(self, tokenizer)
-    except NotImplementedError:
-        logging.getLogger("make_shaped_gguf").warning("synthetic vocabulary: pre-tokenizer %r", expected)
-        return expected
-    if name != expected:
-        raise SystemExit(f"the tokenizer hashes as pre-tokenizer {name!r}, expected {expected!r}")
-    logging.getLogger("make_shaped_gguf").info("tokenizer recognised as %r", name)
-    return name
-TextModel.get_vocab_base_pre = get_vocab_base_pre
-if not gguf.__file__.startswith(source):
-    raise SystemExit(f"imported gguf from {gguf.__file__}, not from llama.cpp's {source}/gguf-py")
-import convert_hf_to_gguf
-convert_hf_to_gguf.main()
-"""
-
 PRE_TOKENIZER = {"llama3": "llama-bpe", "qwen2": "qwen2"}
 
 
 def converter_command(llama: LlamaCpp, hf: Path, out: Path, shape: Shape, outtype: str) -> list[str]:
     expected = PRE_TOKENIZER[shape.tokenizer]
     args = [str(hf), "--outfile", str(out), "--outtype", outtype, "--model-name", f"shaped {shape.name}"]
-    return [sys.executable, "-c", CONVERTER_WRAPPER, str(llama.source), expected, *args]
+    wrapper = Path(__file__).with_name("llama_cpp_convert.py")  # the converter, its pre-tokenizer lookup set
+    return [sys.executable, str(wrapper), str(llama.source), expected, *args]
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -608,13 +583,9 @@ sys.exit(code)
 """
 
 
-def shown(command: Sequence[str]) -> str:
-    return " ".join("<converter wrapper>" if arg == CONVERTER_WRAPPER else arg for arg in command)
-
-
 def run_child(report: Report, name: str, command: Sequence[str], log: Path, env: dict[str, str]) -> Step:
     """Run `command` with its output in `log`; the step's peak RSS is that command's ru_maxrss."""
-    print(f"[{name}] {shown(command)}", flush=True)
+    print(f"[{name}] {' '.join(command)}", flush=True)
     step = report.add(Step(name, note="subprocess: RUSAGE_CHILDREN ru_maxrss"))
     rss = log.with_suffix(".maxrss")
     start = time.monotonic()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.errors import ModelLoadError, UnsupportedArchitectureError
-from kiln.frontend.gguf_loader import load_gguf
+from kiln.frontend.gguf_loader import _llama3_rope_factors, load_gguf
 from kiln.frontend.source import ModelSource, QuantizedTensor
 from kiln.ir.deferred import Deferred, materialize
 
@@ -494,9 +494,9 @@ def test_yarn_rope_scaling_is_refused(tmp_path: Path) -> None:
     assert error.value.hint and "linear" in error.value.hint
 
 
-def llama3_rope_factors(factor: float, theta: float = 500000.0) -> np.ndarray:
+def llama3_rope_factors(factor: float, theta: float = 500000.0, old_context_len: int = 8192) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, with Llama 3's defaults."""
-    low_freq_factor, high_freq_factor, old_context_len = 1.0, 4.0, 8192
+    low_freq_factor, high_freq_factor = 1.0, 4.0
     freqs = 1.0 / (theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
     factors = []
     for freq in freqs:
@@ -526,6 +526,21 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
     )
     assert scaling.original_max_position_embeddings == 8192
     assert "rope_freqs.weight" not in source.weights
+
+
+@pytest.mark.parametrize("original", [32, 100, 2048])
+def test_llama3_rope_scaling_of_another_original_context(tmp_path: Path, original: int) -> None:
+    """The file does not say the original context: the factors give it (2048 scales a frequency part-way,
+    which fixes it; 32 and 100 leave each either unscaled or scaled by the whole factor, and any context
+    that reproduces the factors runs the same)."""
+    rope_freqs = llama3_rope_factors(8.0, old_context_len=original)
+    path = write_gguf(tmp_path / "l3.gguf", tiny_weights(), extra_tensors={"rope_freqs.weight": rope_freqs})
+    scaling = load_gguf(path).config.rope_scaling
+    assert (scaling.rope_type, scaling.factor) == ("llama3", 8.0)
+    recovered = _llama3_rope_factors(scaling, HEAD_DIM, 500000.0)
+    np.testing.assert_allclose(recovered, rope_freqs, rtol=1e-5)
+    if original == 2048:
+        assert scaling.original_max_position_embeddings == original
 
 
 def test_unrecognised_rope_freqs_are_refused(tmp_path: Path) -> None:
