@@ -12,13 +12,16 @@ simply be serialized: after a barrier a thread reads what the others wrote befor
 thread loop is split at each barrier (loop fission, as CPU OpenCL implementations run work-groups):
 for each block index, phase 1 runs for every thread, then phase 2 for every thread, and so on. Each
 thread's `local` buffers become one slice each of a buffer [threads, ...] (bound by match_buffer, so
-the phase bodies stay unchanged), `shared` buffers stay one per thread block, and the `T.let`s of
-the thread body before a phase are evaluated again at the start of that phase (allowed only if
-they read no buffer, checked). A barrier must sit at the top level of the thread body (not inside
-a loop or a branch); a kernel with one elsewhere is refused.
+the phase bodies stay unchanged; the binding goes through a TVMScript print / parse round trip, as
+TVM 0.27 has no Python statement mutator and the original buffers' offsets are fixed), `shared`
+buffers stay one per thread block, and the `T.let`s of the thread body before a phase are evaluated
+again at the start of that phase (allowed only if they read no buffer, checked). A barrier must sit
+at the top level of the thread body (not inside a loop or a branch); a kernel with one elsewhere is
+refused.
 
 What this cannot see: a data race or a missing barrier (threads run one after another here, so no
-two ever overlap), and anything of the CUDA code generator or nvcc below the TIR.
+two ever overlap), and anything below the TIR: TVM's CUDA lowering passes, its code generator, nvcc.
+float8 casts are LLVM's here, which read zero and subnormal codes wrong (docs/tvm.md).
 """
 
 from __future__ import annotations
