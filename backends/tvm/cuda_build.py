@@ -187,6 +187,22 @@ def _register_device_compiler(arch: str, compiler: str, ptx: bool, calls: list[d
         return binary
 
 
+def fuse_and_schedule() -> list[Any]:
+    """The Relax passes that turn the lowered `step` into its final kernels: the Relax ops (reshapes,
+    adds, embeddings, SwiGLU on GPUs, ...) legalized, fused and scheduled by dlight's GPU rules (the
+    templated and hand-written kernels are scheduled already). Run inside `with target:`; after it,
+    every PrimFunc in the module is the TIR the CUDA code generator gets (the tests run these on a CPU:
+    tests/backends/tvm/kernels/gpu_on_cpu.py)."""
+    return [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        dl.ApplyDefaultSchedule(*gpu_rules()),
+    ]
+
+
 def _launched_kernels(module: tvm.IRModule) -> set[str]:
     """Names of the PrimFuncs the Relax functions call (reshapes that became views are not among them)."""
     prim = {gv.name_hint for gv, func in module.functions.items() if isinstance(func, tirx.PrimFunc)}
@@ -227,12 +243,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         module = tvm.transform.Sequential(
             [
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FoldConstant(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-                dl.ApplyDefaultSchedule(*gpu_rules()),
+                *fuse_and_schedule(),
                 relax.transform.RewriteDataflowReshape(),
                 relax.transform.ToNonDataflow(),
                 relax.transform.RemovePurityChecking(),

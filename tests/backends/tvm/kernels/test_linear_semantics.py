@@ -6,7 +6,8 @@ the layouts the lowering gives it, against the IR's quantized_linear on the same
 layout the GPU path takes: 4-bit in both packings (int4's zero point, GGUF's min), 8-bit symmetric
 with int8 and GGUF K-quant value ranges, float32 and float16 scales, with and without bias; float32
 activations (float32 rounding), and float16 ones (`--dtype f16` on a GPU: float32 sums, float16
-rounding of the output)."""
+rounding of the output). The GPU schedules also run as compiled, with their thread bindings and
+shared-memory tiles, each thread-bound loop made serial (gpu_on_cpu.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
+from gpu_on_cpu import count_thread_loops, serialize
 
 from kiln.backends.tvm.cuda_build import schedule_gemm_gpu, schedule_linear_gpu
 from kiln.backends.tvm.kernels.linear import ROW_BLOCK, QuantSpec, column_tile, linear_kernel
@@ -57,10 +59,27 @@ def test_float16_activations_sum_in_float32(case: tuple) -> None:
 @pytest.mark.parametrize("case", CASES[:2] + CASES[4:5] + CASES[6:7], ids=_id)
 @pytest.mark.parametrize("schedule", [schedule_linear_gpu, schedule_gemm_gpu], ids=["split_k", "gemm"])
 @pytest.mark.parametrize("activations", [torch.float32, torch.float16], ids=["f32", "f16"])
-def test_the_gpu_schedules_keep_the_sums(case: tuple, schedule, activations: torch.dtype) -> None:
-    """37 rows: one full GEMM row tile of 32 and a masked one; 96 columns: a full and a half tile."""
+@pytest.mark.parametrize("threads", [False, True], ids=["serial", "threads"])
+def test_the_gpu_schedules_keep_the_sums(
+    case: tuple, schedule, activations: torch.dtype, threads: bool
+) -> None:
+    """37 rows: one full GEMM row tile of 32 and a masked one; 96 columns: a full and a half tile.
+    `threads`: the schedule the CUDA build compiles (thread bindings, the split-K's cross-thread
+    reduction, the GEMM's shared-memory weight tile and register sums), run serially (gpu_on_cpu.py)."""
     tolerance = TOLERANCE if activations == torch.float32 else F16_TOLERANCE
-    _check(case, True, activations, tolerance, rows=37, schedule=lambda f: schedule(f, threads=False))
+    if threads:
+
+        def scheduled(f):
+            func = schedule(f, threads=True)
+            assert count_thread_loops(func), "the GPU schedule binds no thread"
+            return serialize(func)
+
+    else:
+
+        def scheduled(f):
+            return schedule(f, threads=False)
+
+    _check(case, True, activations, tolerance, rows=37, schedule=scheduled)
 
 
 def _check(
