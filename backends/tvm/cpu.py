@@ -75,7 +75,10 @@ def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
 
 
 def build_cpu(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
-    """Legalize the remaining Relax ops, fuse the element-wise ones, compile with LLVM."""
+    """Legalize the remaining Relax ops, fuse the element-wise ones, compile with LLVM (tvm.compile's
+    default Relax pipeline, its shape functions' stores put in a fixed order: reproducible.py)."""
+    from kiln.backends.tvm.reproducible import default_relax_pipeline
+
     with target:
         module = tvm.transform.Sequential(
             [
@@ -86,7 +89,7 @@ def build_cpu(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecut
                 relax.transform.FuseTIR(),
             ]
         )(module)
-        return tvm.compile(module, target=target)
+        return tvm.compile(module, target=target, relax_pipeline=default_relax_pipeline())
 
 
 def required_features(target: tvm.target.Target) -> list[str]:

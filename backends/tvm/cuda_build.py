@@ -30,6 +30,7 @@ from tvm.support import cc, nvcc
 
 from kiln.backends.base import BackendError
 from kiln.backends.tvm.lowering import lower_graph
+from kiln.backends.tvm.reproducible import sort_shape_func_stores
 from kiln.ir import graph_from_json
 
 LINEAR_COLUMNS = 32
@@ -259,6 +260,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
                 relax.transform.ComputePrimValue(),
                 relax.transform.VMShapeLower(),
                 relax.transform.AttachGlobalSymbol(),
+                sort_shape_func_stores,  # VMShapeLower's store order varies: reproducible.py
             ]
         )(module)
         times["relax_pipeline"] = time.perf_counter() - start
