@@ -204,6 +204,25 @@ def fuse_and_schedule() -> list[Any]:
     ]
 
 
+def to_vm() -> list[Any]:
+    """The Relax passes from the scheduled kernels to what the VM runs: memory planned, shapes lowered,
+    symbols attached (the tests run them on the serialised kernels for the CPU)."""
+    return [
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+        sort_shape_func_stores,  # VMShapeLower's store order varies: reproducible.py
+    ]
+
+
 def _launched_kernels(module: tvm.IRModule) -> set[str]:
     """Names of the PrimFuncs the Relax functions call (reshapes that became views are not among them)."""
     prim = {gv.name_hint for gv, func in module.functions.items() if isinstance(func, tirx.PrimFunc)}
@@ -242,27 +261,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         lowered = lower_graph(graph, "cuda", schedule_gpu, decode=True, decode_kernels=decode_gemv)
         times["lower_and_schedule_kernels"] = time.perf_counter() - start
         start = time.perf_counter()
-        module = tvm.transform.Sequential(
-            [
-                *fuse_and_schedule(),
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-            ]
-        )(lowered.module)
-        module = tvm.transform.Sequential(
-            [
-                relax.transform.LowerAllocTensor(),
-                relax.transform.KillAfterLastUse(),
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
-                sort_shape_func_stores,  # VMShapeLower's store order varies: reproducible.py
-            ]
-        )(module)
+        module = tvm.transform.Sequential([*fuse_and_schedule(), *to_vm()])(lowered.module)
         times["relax_pipeline"] = time.perf_counter() - start
         fused = {
             name: "dlight (fused Relax ops)"

@@ -295,7 +295,7 @@ def gpu_kernels(module: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
 def cpu_step_library(module: tvm.IRModule, folder: Any) -> Any:
     """`gpu_step_module`'s module with every PrimFunc `serialize`d, the rest of the CUDA build's Relax
     pipeline run, compiled for the host CPU and exported as folder/step.so (the CPU runtime loads it)."""
-    from tvm import relax
+    from kiln.backends.tvm.cuda_build import to_vm
 
     serialized = tvm.IRModule(
         {gv: (serialize(f) if isinstance(f, tirx.PrimFunc) else f) for gv, f in module.functions.items()},
@@ -303,21 +303,7 @@ def cpu_step_library(module: tvm.IRModule, folder: Any) -> Any:
     )
     target = tvm.target.Target({"kind": "llvm"})
     with target:
-        lowered = tvm.transform.Sequential(
-            [
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-                relax.transform.LowerAllocTensor(),
-                relax.transform.KillAfterLastUse(),
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
-            ]
-        )(serialized)
+        lowered = tvm.transform.Sequential(to_vm())(serialized)
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
     library = folder / "step.so"
     executable.export_library(str(library))
