@@ -11,6 +11,7 @@ What a GGUF cannot say is set so that the HF model and llama.cpp's reading of it
   one);
 - Gemma 3: attention scaled by 1/sqrt(head_dim), every layer sliding-window (llama.cpp makes every 6th
   layer global and derives the scale; the file has no key for either);
+- OLMoE: as many kv heads as query heads (llama.cpp's olmoe takes the k norm over the whole hidden size);
 - Mistral with a sliding window: the `llama` GGUF has no window, so the file means full attention (as
   llama.cpp runs it) and is compared with the HF model with its window off.
 
@@ -61,6 +62,7 @@ FAMILIES = [
 EXPRESSIBLE: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"mlp_only_layers": []},
     "gemma3": {"query_pre_attn_scalar": 32, "layer_types": ["sliding_attention", "sliding_attention"]},
+    "olmoe": {"num_key_value_heads": 4},
 }
 
 
