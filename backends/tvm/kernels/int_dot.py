@@ -1347,8 +1347,20 @@ def _gemm_kernel(plan: IntDotPlan) -> tirx.PrimFunc:
                     _tile_strip_passes(plan, jo, jo, rows, operands)
                 else:
                     _strip_passes(plan, jo, jo, 0, rows, operands)
+        _zero_padding_rows(plan, y_rows, rows, q * 4)
 
     return int_dot_gemm
+
+
+@T.macro
+def _zero_padding_rows(plan: IntDotPlan, y_rows: Buffer, first: Expr, total: Expr):
+    # the rows after the real ones (the executable's padding: 3 of decode's 4): zeros, not what the
+    # memory held before, which the row-wise kernels after this one read; left as they were, they were
+    # often denormal floats (integer data), and SwiGLU's exponential of those ran 36x slower
+    for r in T.serial(first, total):
+        for v in T.serial(plan.n // plan.lanes):
+            for lane in T.vectorized(plan.lanes):
+                y_rows[r, v * plan.lanes + lane] = T.float32(0)
 
 
 def _experts_kernel(plan: IntDotPlan) -> tirx.PrimFunc:

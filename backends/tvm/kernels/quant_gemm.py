@@ -211,6 +211,13 @@ def quant_gemm_kernel(k: int, n: int, spec: QuantSpec, has_bias: bool) -> tirx.P
                                         y[a, b, jo * tile + lane] = acc1[lane] + bias[jo * tile + lane]
                                     else:
                                         y[a, b, jo * tile + lane] = acc1[lane]
+                            # its padding rows: zeros, not the memory's old contents (often denormal
+                            # floats, which the row-wise kernels after this one read 36x slower)
+                            for b in T.serial(
+                                T.max(T.int64(0), T.min(T.int64(4), counts[which] - a * 4)), T.int64(4)
+                            ):
+                                for lane in T.vectorized(tile):
+                                    y[a, b, jo * tile + lane] = T.float32(0)
                 else:  # many rows: dequantize the strip once, then a float32 4-row micro-kernel
                     for kk in T.serial(k):
                         for lane in T.vectorized(tile):
