@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, UsageError
+from kiln.runtime.scheduler import SCHEDULING_POLICIES
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -93,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     sizes = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_step_ms": args.max_step_ms,
         "kv_cache_memory": args.kv_cache_memory,
         "num_blocks": args.num_kv_blocks,
     }
@@ -100,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
         **_model_options(args),
         **{name: value for name, value in sizes.items() if value is not None},
     )
@@ -472,6 +475,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 16)")
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 512)"
+    )
+    serve.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        help="while streams decode, add only as many prompt tokens to a step as keep it under this many "
+        "milliseconds, by the step times measured so far (default: twice the decode rows' own step)",
+    )
+    serve.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs (default): in arrival order; priority: by each request's `priority` (smaller first), "
+        "then arrival",
     )
     serve.add_argument(
         "--kv-cache-memory",

@@ -28,7 +28,7 @@ from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import SchedulerConfig
+from kiln.runtime.scheduler import SchedulerConfig, SchedulingPolicy
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -137,6 +137,8 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        max_step_ms: float | None = None,
+        scheduling_policy: SchedulingPolicy = "fcfs",
         show_progress: bool = True,
         **options: Any,
     ) -> None:
@@ -155,7 +157,9 @@ class LLM:
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_step_ms, scheduling_policy
+            ),
             speculative=speculative,
         )
         self.engine = LLMEngine(

@@ -41,6 +41,8 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     error: str | None = None
+    started: float = 0.0  # perf_counter when the request was sent
+    arrivals: list[float] = field(default_factory=list)  # perf_counter of each chunk with text
 
 
 def peak_rss_mib(pid: int | None) -> float:
@@ -77,9 +79,12 @@ async def make_prompt(client: httpx.AsyncClient, model: str, index: int, input_l
     return prefix + " ".join(itertools.islice(itertools.cycle(FILLER), max(1, input_len - 6)))
 
 
-async def one_request(client: httpx.AsyncClient, body: dict[str, object]) -> Result:
-    result = Result()
-    start = time.perf_counter()
+async def one_request(
+    client: httpx.AsyncClient, body: dict[str, object], result: Result | None = None
+) -> Result:
+    """Stream one completion into `result` (a new one if None), which fills in as chunks arrive."""
+    result = result if result is not None else Result()
+    start = result.started = time.perf_counter()
     last = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -103,6 +108,7 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, object]) -> Res
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 now = time.perf_counter()
+                result.arrivals.append(now)
                 if last is None:
                     result.ttft = now - start
                 else:

@@ -99,6 +99,12 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     return gguf, artifact
 
 
+def llama_server_command(gguf: Path, threads: int, context: int, port: int) -> list[str]:
+    """llama-server on `gguf` with 16 slots sharing `context` tokens, serving as SERVED_NAME."""
+    slots = ["-np", "16", "-t", str(threads), "-c", str(context)]
+    return [str(LLAMA_SERVER), "-m", str(gguf), *slots, "--port", str(port), "--alias", SERVED_NAME]
+
+
 def servers(args: argparse.Namespace, gguf: Path, artifact: Path, port: int) -> list[Server]:
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--uvicorn-log-level", "warning"]
     levels = args.concurrency
@@ -113,21 +119,7 @@ def servers(args: argparse.Namespace, gguf: Path, artifact: Path, port: int) -> 
         ),
         Server(
             f"llama-server -np 16 -t {args.threads}",
-            [
-                str(LLAMA_SERVER),
-                "-m",
-                str(gguf),
-                "-np",
-                "16",
-                "-t",
-                str(args.threads),
-                "-c",
-                "8192",
-                "--port",
-                str(port),
-                "--alias",
-                SERVED_NAME,
-            ],
+            llama_server_command(gguf, args.threads, 8192, port),
             levels,
         ),
     ]

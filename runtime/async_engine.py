@@ -90,6 +90,10 @@ class AsyncEngine:
         return self._engine.scheduler.config.max_num_seqs
 
     @property
+    def scheduling_policy(self) -> str:
+        return self._engine.scheduler.config.policy
+
+    @property
     def dead(self) -> BaseException | None:
         """Why the engine loop stopped; None while it serves."""
         return self._dead
@@ -109,7 +113,11 @@ class AsyncEngine:
         self._on_step.append(listener)
 
     async def generate(
-        self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are made, the last one with `finished` set.
 
@@ -118,6 +126,11 @@ class AsyncEngine:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         token_ids, _ = self.validate(prompt, params)
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                "priority is only honoured under the priority scheduling policy; start the server with "
+                "--scheduling-policy priority, or leave priority at 0"
+            )
         if params.structured_output is not None:  # compiled off the engine loop; a GrammarError is a 400
             await asyncio.wrap_future(self._engine.grammars.submit(params.structured_output))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -127,7 +140,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         prompt_text = prompt if isinstance(prompt, str) else None
-        self._submit(lambda: self._add(request_id, prompt_text, token_ids, params))
+        self._submit(lambda: self._add(request_id, prompt_text, token_ids, params, priority))
         finished = False
         try:
             while not finished:
@@ -149,9 +162,11 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams) -> None:
+    def _add(
+        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
         try:
-            self._engine.add_request(request_id, token_ids, params)
+            self._engine.add_request(request_id, token_ids, params, priority)
             if prompt is not None:
                 self._engine.requests[request_id].prompt = prompt
         except ValueError as error:

@@ -5,6 +5,7 @@ before scheduling and the speculating sequences' rows are verified instead of sa
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -132,11 +133,22 @@ class LLMEngine:
         return token_ids, max_tokens
 
     def add_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request; `priority` orders it under the priority scheduling policy (smaller first)
+        and must stay 0 under fcfs."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ValueError(
+                "priority is only honoured under the priority scheduling policy; start the server with "
+                "--scheduling-policy priority, or leave priority at 0"
+            )
         token_ids, max_tokens = self.validate(prompt, params)
         constraint = params.structured_output
         grammar = self.grammars.compile(constraint) if constraint is not None else None
@@ -147,6 +159,7 @@ class LLMEngine:
             params,
             max_tokens,
             next(self._arrivals),
+            priority,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         for index in range(params.n):
@@ -215,7 +228,12 @@ class LLMEngine:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
-        logits = self.executable.step(build_step_inputs(slices, self.block_size), self.kv_cache)
+        inputs = build_step_inputs(slices, self.block_size)
+        started = time.perf_counter()
+        logits = self.executable.step(inputs, self.kv_cache)
+        self.scheduler.step_cost.observe(
+            scheduled.decode_rows, scheduled.num_prefill_tokens, time.perf_counter() - started
+        )
         touched: dict[str, Request] = {}
         to_sample: list[tuple[Sequence, int]] = []
         to_verify: list[tuple[Sequence, int, int]] = []

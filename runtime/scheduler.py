@@ -1,21 +1,32 @@
 """The scheduler: which sequences compute how many tokens this step.
 
 NOTE: there are no prefill and decode phases. Each step has one token budget
-(`max_num_batched_tokens`). Running sequences are served first, oldest first, each with as many of
-its uncomputed tokens as the budget leaves (1 for a decode, a chunk of the prompt for a prefill);
-then waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free
-blocks allow. When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute its
-tokens (prompt and output) when readmitted. Nothing is admitted in a step that preempted.
+(`max_num_batched_tokens`). Decoding sequences (one known token left, plus any drafts) are served
+first, then the running sequences still computing their prompt (oldest first), then waiting sequences
+are admitted while the budget, `max_num_seqs` and free blocks allow. While anything decodes, the
+prompt tokens of a step are also held to what its step-cost model allows (step_cost.py): a long prompt
+is computed in chunks across steps, and a decoding stream never waits for a whole prompt. When a
+running sequence needs a block and none is free, the last in the queue's order is preempted (the
+newest; under the priority policy the one of the largest `priority`, then the newest): its blocks are
+freed and it goes back to the waiting queue, to recompute its tokens (prompt and output) when
+readmitted. Nothing is admitted in a step that preempted.
+
+Policies (vLLM's `--scheduling-policy`): `fcfs` admits in arrival order; `priority` in order of the
+request's `priority` (smaller first, as vLLM), then arrival.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.sequence import Sequence, SequenceStatus
+from kiln.runtime.step_cost import StepCostModel
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -23,12 +34,19 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
+    max_step_ms: float | None = None  # the step-time target while decoding; None: twice the decode step
+    policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0, got {self.max_step_ms}")
+        if self.policy not in SCHEDULING_POLICIES:
+            known = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"scheduling policy must be one of {known}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,11 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_new_tokens: int
+    # at most the sequence's last known token (and drafts), as the chunk was scheduled
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_decode", self.seq.num_tokens - self.start <= 1)
 
     @property
     def num_drafts(self) -> int:
@@ -56,8 +79,17 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def decode_rows(self) -> int:
+        """Tokens of the decoding sequences' chunks (their last known token, and drafts)."""
+        return sum(chunk.num_new_tokens for chunk in self.chunks if chunk.is_decode)
+
+    @property
     def num_batched_tokens(self) -> int:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.decode_rows
 
 
 class Scheduler:
@@ -68,10 +100,24 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0
+        self.step_cost = StepCostModel(config.max_step_ms)
+
+    def _order(self, seq: Sequence) -> tuple[int, ...]:
+        """The queue's order: who is admitted first, and preempted last."""
+        request = seq.request
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_index, seq.index)
+        return (request.arrival_index, seq.index)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq`: at the back (fcfs), at the front (`front`: preempted, or a held sample), or
+        under the priority policy where its order puts it."""
         seq.status = SequenceStatus.WAITING
-        if front:
+        if self.config.policy == "priority":
+            key = self._order(seq)
+            position = next((i for i, other in enumerate(self.waiting) if self._order(other) > key), None)
+            self.waiting.insert(len(self.waiting) if position is None else position, seq)
+        elif front:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
@@ -90,29 +136,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq not in self.running:  # preempted earlier in this loop
-                continue
-            wanted = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
-            num_new = min(wanted, budget)
-            if seq.draft_token_ids and not self.kv.can_allocate(
-                seq.seq_id, seq.num_computed_tokens + num_new
-            ):
-                seq.draft_token_ids = []  # drafts never cost another sequence its blocks
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, output):
-                continue
-            output.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
-            budget -= num_new
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens <= 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding:
+            budget -= self._schedule_running(seq, budget, output)
+        prefill_budget = budget
+        allowed = self.step_cost.prefill_budget(output.decode_rows)
+        if allowed is not None and self.config.enable_chunked_prefill:
+            prefill_budget = min(budget, allowed)
+        for seq in prefilling:
+            prefill_budget -= self._schedule_running(seq, prefill_budget, output)
         if not output.preempted:
-            self._admit_waiting(budget, output)
+            self._admit_waiting(prefill_budget, output)
         return output
+
+    def _schedule_running(self, seq: Sequence, budget: int, output: SchedulerOutput) -> int:
+        """Add a chunk of running `seq` within `budget` tokens (preempting for its blocks if need be);
+        the tokens it takes."""
+        if budget <= 0 or seq not in self.running:  # out of budget, or preempted earlier this step
+            return 0
+        wanted = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
+        num_new = min(wanted, budget)
+        if seq.draft_token_ids and not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+            seq.draft_token_ids = []  # drafts never cost another sequence its blocks
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, output):
+            return 0
+        output.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+        return num_new
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
         while not self.kv.allocate(seq.seq_id, num_tokens):
-            victim = max(self.running, key=lambda s: (s.request.arrival_index, s.index))
+            victim = max(self.running, key=self._order)
             self._preempt(victim)
             output.preempted.append(victim)
             output.chunks = [chunk for chunk in output.chunks if chunk.seq is not victim]

@@ -64,6 +64,7 @@ class Request:
     params: SamplingParams
     max_tokens: int  # params.max_tokens, or what the context leaves
     arrival_index: int
+    priority: int = 0  # under the priority scheduling policy, smaller is served first
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 

@@ -106,6 +106,8 @@ class SamplingExtras(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # under --scheduling-policy priority, smaller is served first
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs

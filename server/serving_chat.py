@@ -114,7 +114,9 @@ class OpenAIServingChat(OpenAIServing):
             request.messages, request.add_generation_prompt, tools.tools, request.chat_template_kwargs
         )
         token_ids = self.encode(text, "messages", add_special_tokens=False)
-        prepared = self.check_prompt(token_ids, params, "messages", request.max_tokens_param)
+        prepared = self.check_prompt(
+            token_ids, params, "messages", request.max_tokens_param, request.priority
+        )
         parser = self.reasoning_parser
         if parser is not None:
             parser = reply_parser(parser, prepared.params.reasoning, token_ids)

@@ -88,7 +88,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_token_ids(prompt, "prompt")
                 token_ids = list(prompt)
                 text = self.tokenizer.decode(token_ids) if request.echo else ""
-            out.append(_Prompt(self.check_prompt(token_ids, params, "prompt", "max_tokens"), text))
+            prepared = self.check_prompt(token_ids, params, "prompt", "max_tokens", request.priority)
+            out.append(_Prompt(prepared, text))
         return out
 
     # -- non-streamed -------------------------------------------------------------------------------------

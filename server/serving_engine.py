@@ -93,6 +93,7 @@ class Prepared:
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 class OpenAIServing:
@@ -120,6 +121,12 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingExtras, make: Callable[[], SamplingParams]) -> SamplingParams:
         if not 1 <= request.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {request.n}", "n")
+        if request.priority != 0 and self.engine.scheduling_policy != "priority":
+            raise bad_request(
+                "priority is only honoured under the priority scheduling policy; start the server with "
+                "--scheduling-policy priority, or leave priority at 0",
+                "priority",
+            )
         try:
             params = make()
         except ValueError as error:
@@ -144,7 +151,12 @@ class OpenAIServing:
         return params
 
     def check_prompt(
-        self, token_ids: list[int], params: SamplingParams, prompt_param: str, max_tokens_param: str
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        prompt_param: str,
+        max_tokens_param: str,
+        priority: int = 0,
     ) -> Prepared:
         """The engine's own validation, as a 400 naming the field; a prompt that leaves no room for
         output is `context_length_exceeded`."""
@@ -162,7 +174,7 @@ class OpenAIServing:
             param = max_tokens_param if "max_tokens" in message else prompt_param
             code = "context_length_exceeded" if "max_model_len" in message else None
             raise bad_request(message, param, code) from None
-        return Prepared(ids, params)
+        return Prepared(ids, params, priority)
 
     def encode(self, prompt: str, param: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -211,7 +223,9 @@ class OpenAIServing:
     async def generate(self, prepared: Prepared, request_id: str) -> AsyncIterator[RequestOutput]:
         """The engine's stream with metrics; leaving it early aborts the request."""
         tracker = self.metrics.track()
-        stream = self.engine.generate(prepared.prompt_token_ids, prepared.params, request_id)
+        stream = self.engine.generate(
+            prepared.prompt_token_ids, prepared.params, request_id, prepared.priority
+        )
         try:
             async for output in stream:
                 tracker.observe(output)

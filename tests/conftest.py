@@ -349,6 +349,8 @@ def make_tiny_engine(tiny_model) -> Any:
         engine_class: type[LLMEngine] = LLMEngine,
         speculative: Any = None,
         draft: Any = None,
+        max_step_ms: float | None = None,
+        policy: str = "fcfs",
     ) -> LLMEngine:
         executable, tokenizer = tiny_model
         if fail_at_step is not None or step_delay_s:
@@ -357,7 +359,9 @@ def make_tiny_engine(tiny_model) -> Any:
             block_size=block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_step_ms, policy
+            ),
             speculative=speculative,
         )
         return engine_class(

@@ -150,11 +150,15 @@ def _add_fails_with(error: Exception) -> type[LLMEngine]:
 
     class AddFails(LLMEngine):
         def add_request(
-            self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+            self,
+            request_id: str,
+            prompt: str | Seq[int],
+            params: SamplingParams | None = None,
+            priority: int = 0,
         ) -> None:
             if request_id == "boom":
                 raise error
-            super().add_request(request_id, prompt, params)
+            super().add_request(request_id, prompt, params, priority)
 
     return AddFails
 

@@ -24,11 +24,15 @@ class _AddFailsWhenArmed(LLMEngine):
     armed = False
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
         if self.armed:
             raise RuntimeError("injected fault admitting a request")
-        super().add_request(request_id, prompt, params)
+        super().add_request(request_id, prompt, params, priority)
 
 
 async def _until(condition: Callable[[], bool]) -> None:

@@ -66,6 +66,7 @@ def assert_error(response: httpx.Response, status: int, kind: str, param: str | 
         ("prompt", [-1], "prompt"),
         ("prompt", [10**12], "prompt"),
         ("model", 7, "model"),
+        ("priority", 1, "priority"),  # the server runs the fcfs policy
     ],
 )
 def test_invalid_completion_fields_are_400(api_server, field: str, value: object, param: str) -> None:
@@ -87,6 +88,7 @@ def test_invalid_completion_fields_are_400(api_server, field: str, value: object
         ),
         ({"temperature": -1}, "temperature"),
         ({"n": 0}, "n"),
+        ({"priority": -1}, "priority"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"logprobs": 1}, "logprobs"),
