@@ -20,7 +20,7 @@ class MeasuredOnce(StepCostModel):
     the budget each step gets is known."""
 
     def __init__(self) -> None:
-        super().__init__(decode_seconds={1: 0.010}, prefill_seconds_per_token=0.001)
+        super().__init__(decode_line=(0.010, 0.0), prefill_seconds_per_token=0.001)
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         pass
