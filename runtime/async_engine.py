@@ -89,9 +89,9 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return self._engine.scheduler.config.max_num_seqs
 
-    @property
-    def scheduling_policy(self) -> str:
-        return self._engine.scheduler.config.policy
+    def check_priority(self, priority: int) -> None:
+        """A ValueError for a priority the scheduling policy would ignore; reads only the settings."""
+        self._engine.scheduler.config.check_priority(priority)
 
     @property
     def dead(self) -> BaseException | None:
@@ -126,11 +126,7 @@ class AsyncEngine:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         token_ids, _ = self.validate(prompt, params)
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(
-                "priority is only honoured under the priority scheduling policy; start the server with "
-                "--scheduling-policy priority, or leave priority at 0"
-            )
+        self.check_priority(priority)
         if params.structured_output is not None:  # compiled off the engine loop; a GrammarError is a 400
             await asyncio.wrap_future(self._engine.grammars.submit(params.structured_output))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -144,11 +144,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if priority != 0 and self.scheduler.config.policy != "priority":
-            raise ValueError(
-                "priority is only honoured under the priority scheduling policy; start the server with "
-                "--scheduling-policy priority, or leave priority at 0"
-            )
+        self.scheduler.config.check_priority(priority)
         token_ids, max_tokens = self.validate(prompt, params)
         constraint = params.structured_output
         grammar = self.grammars.compile(constraint) if constraint is not None else None

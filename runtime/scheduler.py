@@ -48,6 +48,14 @@ class SchedulerConfig:
             known = ", ".join(SCHEDULING_POLICIES)
             raise ValueError(f"scheduling policy must be one of {known}, got {self.policy!r}")
 
+    def check_priority(self, priority: int) -> None:
+        """A ValueError for a request priority this policy would ignore (any but 0 under fcfs)."""
+        if priority != 0 and self.policy != "priority":
+            raise ValueError(
+                "priority is only honoured under the priority scheduling policy; start the server with "
+                "--scheduling-policy priority, or leave priority at 0"
+            )
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:

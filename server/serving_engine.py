@@ -121,12 +121,10 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingExtras, make: Callable[[], SamplingParams]) -> SamplingParams:
         if not 1 <= request.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {request.n}", "n")
-        if request.priority != 0 and self.engine.scheduling_policy != "priority":
-            raise bad_request(
-                "priority is only honoured under the priority scheduling policy; start the server with "
-                "--scheduling-policy priority, or leave priority at 0",
-                "priority",
-            )
+        try:
+            self.engine.check_priority(request.priority)
+        except ValueError as error:
+            raise bad_request(str(error), "priority") from None
         try:
             params = make()
         except ValueError as error:
