@@ -42,6 +42,8 @@ RUNTIME_PACKAGES = (
     "gguf",
     "fastapi",
     "uvicorn",
+    "uvloop",  # uvicorn runs on them when installed (the streamed token path)
+    "httptools",
     "prometheus_client",
     "httpx",
 )

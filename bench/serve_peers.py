@@ -12,6 +12,10 @@ Rows:
   reference f32          `kiln serve MODEL --backend reference --quantization none` (the old default;
                          slow, so it runs 1 request at 1 stream and 16 at 16 streams, no 4-stream level)
   llama-server           llama.cpp's server (`make bench-peers` builds it) with -np 16 -t THREADS -c 8192
+
+After the servers, the same run times the DIR artifact's own decode step (bench/artifact_bench.py, no
+server): tg128 from an empty context, as llama-bench's, and the step after an --input-len prompt, the
+context a served stream decodes at; each Kiln row's 1-stream ITL p50 is set against both.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import artifact_bench  # bench/artifact_bench.py
 import serve as load  # bench/serve.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +177,32 @@ def main() -> None:
         cells = "".join(f"{by_level[c]:>9.1f}" if c in by_level else f"{'—':>9}" for c in levels)
         peak = max(r["peak_rss_mib"] for r in rows)
         print(f"{server.name:<34}{cells}{cold:>8.2f}{peak:>10.0f}")
+    if 1 in levels:
+        one_stream_against_the_step(args, artifact, results)
+
+
+def one_stream_against_the_step(
+    args: argparse.Namespace, artifact: Path, results: list[tuple[Server, float, list[dict[str, float]]]]
+) -> None:
+    """Each Kiln row's 1-stream ITL p50 over the artifact's own decode step, timed now (no server up)."""
+    _, tg = artifact_bench.measure(artifact, args.input_len, args.output_len, repeats=3)
+    _, after_prompt, _ = artifact_bench.measure_parallel(
+        artifact, 1, args.input_len, args.output_len, repeats=3
+    )
+    empty_ms, served_ms = 1e3 / tg, 1e3 / after_prompt
+    print(
+        f"\nartifact decode step ({artifact.name}, no server): tg{args.output_len} {empty_ms:.2f} ms, "
+        f"after a {args.input_len}-token prompt {served_ms:.2f} ms; load {os.getloadavg()[0]:.2f}"
+    )
+    for server, _, rows in results:
+        one = [r for r in rows if int(r["concurrency"]) == 1]
+        if not one or not server.name.startswith("kiln"):
+            continue
+        itl_ms = one[0]["itl_p50"] * 1e3
+        print(
+            f"{server.name:<34} 1-stream ITL p50 {itl_ms:.2f} ms = {itl_ms / empty_ms:.2f}x tg"
+            f"{args.output_len}, {itl_ms / served_ms:.2f}x the step after the prompt"
+        )
 
 
 if __name__ == "__main__":

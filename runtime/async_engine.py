@@ -1,7 +1,8 @@
 """AsyncEngine: the engine loop on a background thread, each request's outputs streamed to asyncio.
 
 The event loop never runs a step: `generate()` hands the request to the loop thread through a command
-queue and awaits an asyncio.Queue that the thread fills with `call_soon_threadsafe`. Leaving the
+queue and awaits an asyncio.Queue that the thread fills, a step's outputs for every stream in one
+`call_soon_threadsafe` (one wake-up of the event loop a step, however many streams). Leaving the
 generator early (a client disconnecting) aborts the request, which frees its blocks at once.
 
 Any failure on the loop thread (a step, a command, a listener) other than a ValueError refusing one
@@ -37,10 +38,18 @@ class EngineDeadError(KilnError):
     """The engine loop failed; no request can be served."""
 
 
+_Queue = asyncio.Queue[RequestOutput | BaseException]
+
+
+def _put_all(items: list[tuple[_Queue, RequestOutput]]) -> None:
+    for outputs, output in items:
+        outputs.put_nowait(output)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput | BaseException]
+    outputs: _Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -198,12 +207,22 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 continue
             outputs = self._engine.step()
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
+            self._deliver(outputs)
             for listener in self._on_step:
                 listener(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one hand-off to each event loop, however many streams."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop has closed: no one is left to tell
+                pass
 
     def _stop_serving(self, reason: BaseException) -> None:
         """Mark the engine dead and fail every stream; commands still queued never run."""

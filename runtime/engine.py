@@ -334,12 +334,15 @@ class LLMEngine:
         for seq in reversed(held):
             self.scheduler.add(seq, front=True)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float, top: TokenLogprobs | None) -> None:
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: float | None, top: TokenLogprobs | None
+    ) -> None:
         state = self._states[seq.seq_id]
         seq.output_token_ids.append(token)
         self.stats.num_generation_tokens += 1
         state.new_token_ids.append(token)
-        seq.cumulative_logprob += logprob
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
         if seq.params.logprobs is not None and top is not None:
             seq.logprobs.append(top)
             state.new_logprobs.append(top)
@@ -387,7 +390,7 @@ class LLMEngine:
                     index=seq.index,
                     text=state.detokenizer.text,
                     token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
+                    cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
                     logprobs=list(seq.logprobs) if want_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

@@ -16,7 +16,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # None unless the request asks for logprobs (as vLLM)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it

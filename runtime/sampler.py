@@ -42,10 +42,11 @@ class SequenceSampling:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The chosen token with its raw logprob: log-softmax of the model's logits, before any processing."""
+    """The chosen token with its raw logprob: log-softmax of the model's logits, before any processing.
+    Both logprob fields are None for a row whose params ask for no logprobs."""
 
     token_id: int
-    logprob: float
+    logprob: float | None = None
     top_logprobs: TokenLogprobs | None = None  # chosen token plus the top `params.logprobs`
 
 
@@ -83,8 +84,11 @@ def sample(
     distribution is p either way, and the draft is accepted when the token equals it.
     """
     logits = _check_logits(logits, len(sequences))
-    maxes, log_sums = _log_normalizers(logits)
     params = [s.params for s in sequences]
+    # the log-softmax costs an exp over the vocabulary: only for the rows that report logprobs
+    with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+    maxes, log_sums = _log_normalizers(logits[with_logprobs])
+    normalizer = {i: (maxes[j], log_sums[j]) for j, i in enumerate(with_logprobs)}
     # Each step copies the caller's logits only when it changes them; later steps then work in place.
     processed = _logit_bias(logits, [p.logit_bias for p in params], in_place=False)
     bans = [min_tokens_bans(s, eos_token_ids) for s in sequences]
@@ -101,16 +105,12 @@ def sample(
     if token_bitmask is not None:
         processed = _mask_tokens(processed, token_bitmask, in_place=processed is not logits)
     token_ids = _choose(processed, processed is not logits, sequences, drafts, draft_probs)
-    return [
-        SampledToken(
-            token_id,
-            float(_logprobs(logits[i], maxes[i], log_sums[i], [token_id])[0]),
-            None
-            if params[i].logprobs is None
-            else _top_logprobs(logits[i], maxes[i], log_sums[i], token_id, params[i].logprobs),
-        )
-        for i, token_id in enumerate(token_ids)
-    ]
+    sampled = [SampledToken(token_id) for token_id in token_ids]
+    for i, (row_max, log_sum) in normalizer.items():
+        token_id = token_ids[i]
+        top = _top_logprobs(logits[i], row_max, log_sum, token_id, params[i].logprobs or 0)
+        sampled[i] = SampledToken(token_id, top[token_id], top)
+    return sampled
 
 
 def prompt_logprobs(

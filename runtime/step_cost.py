@@ -22,8 +22,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 MIN_PREFILL_TOKENS = 16  # one KV block: the least prompt a step with decodes computes, and a sample's least
 WINDOW = 64  # decode-only steps the line is fitted through
 NEWEST_WEIGHT = 0.5  # weight of the newest step in the per-token average
@@ -36,6 +34,7 @@ class StepCostModel:
     decode_steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     decode_line: tuple[float, float] | None = None  # (base, per row) seconds
     prefill_seconds_per_token: float | None = None
+    _sums: _LineSums = field(default_factory=lambda: _LineSums())
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         """One step's compiled-step wall time, with what it computed."""
@@ -43,8 +42,11 @@ class StepCostModel:
             predicted = self.decode_step(decode_rows)
             if predicted:  # one stalled step (a page fault, another process) moves the line only so far
                 seconds = min(seconds, OUTLIER_FACTOR * predicted)
+            if len(self.decode_steps) == WINDOW:
+                self._sums.remove(*self.decode_steps[0])
             self.decode_steps.append((decode_rows, seconds))
-            self.decode_line = _line(self.decode_steps)
+            self._sums.add(decode_rows, seconds)
+            self.decode_line = self._sums.line()
         elif prefill_tokens >= MIN_PREFILL_TOKENS:
             beyond_decodes = max(seconds - (self.decode_step(decode_rows) or 0.0), 0.0)
             sample = beyond_decodes / prefill_tokens
@@ -75,12 +77,29 @@ class StepCostModel:
         return max(MIN_PREFILL_TOKENS, int((target - decode) / per_token))
 
 
-def _line(steps: deque[tuple[int, float]]) -> tuple[float, float]:
-    """(base, per row) of the least-squares line through (rows, seconds); flat where every step had the
-    same rows."""
-    samples = np.asarray(steps, dtype=np.float64)
-    rows, seconds = samples[:, 0], samples[:, 1]
-    if np.ptp(rows) == 0:
-        return float(seconds.mean()), 0.0
-    per_row, base = np.polyfit(rows, seconds, 1)
-    return float(base), float(per_row)
+class _LineSums:
+    """The least-squares sums of the window's (rows, seconds), kept as steps come and go: a step's
+    update costs O(1) on the engine loop's critical path. Row sums are ints, so exact."""
+
+    def __init__(self) -> None:
+        self.count = self.rows = self.rows_squared = 0
+        self.seconds = self.rows_seconds = 0.0
+
+    def add(self, rows: int, seconds: float, sign: int = 1) -> None:
+        self.count += sign
+        self.rows += sign * rows
+        self.rows_squared += sign * rows * rows
+        self.seconds += sign * seconds
+        self.rows_seconds += sign * rows * seconds
+
+    def remove(self, rows: int, seconds: float) -> None:
+        self.add(rows, seconds, -1)
+
+    def line(self) -> tuple[float, float]:
+        """(base, per row) of the least-squares line through the steps; flat where every step had the
+        same rows."""
+        spread = self.count * self.rows_squared - self.rows * self.rows
+        if spread == 0:
+            return self.seconds / self.count, 0.0
+        per_row = (self.count * self.rows_seconds - self.rows * self.seconds) / spread
+        return (self.seconds - per_row * self.rows) / self.count, per_row

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request, Response
@@ -133,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         created: int,
         prompts: Sequence[_Prompt],
-        streams: Sequence[AsyncIterator[RequestOutput]],
+        streams: Sequence[AsyncGenerator[RequestOutput, None]],
     ) -> AsyncIterator[str]:
         started: set[int] = set()
         ended: set[int] = set()

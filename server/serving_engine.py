@@ -15,7 +15,7 @@ import json
 import math
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -218,7 +218,7 @@ class OpenAIServing:
         self.check_engine()
         return self.admission.admit(sum(p.params.n for p in prepared))
 
-    async def generate(self, prepared: Prepared, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prepared: Prepared, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """The engine's stream with metrics; leaving it early aborts the request."""
         tracker = self.metrics.track()
         stream = self.engine.generate(
@@ -259,12 +259,20 @@ async def final_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list
     return [task.result() for task in tasks]
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with the stream's index. Leaving early, or one
     stream failing, stops (and so aborts) them all."""
+    if len(streams) == 1:  # no task and queue between the engine and the client: one hand-off a token
+        (stream,) = streams
+        try:
+            async for item in stream:
+                yield 0, item
+        finally:
+            await stream.aclose()
+        return
     queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((index, item))

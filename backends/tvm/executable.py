@@ -139,27 +139,50 @@ def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copy
 
 
-def _pad_rows(array: IndexArray, fill: int, minimum: int = ROW_BLOCK) -> IndexArray:
-    rows = max(minimum, -(-array.shape[0] // ROW_BLOCK) * ROW_BLOCK)
-    padded = _aligned_empty((rows,), np.dtype(np.int64))
-    padded[: array.shape[0]] = array
-    padded[array.shape[0] :] = fill
-    return padded.reshape(-1, ROW_BLOCK)
-
-
 def step_tensors(inputs: StepInputs) -> list[IndexArray]:
-    """The compiled function's host inputs before the cache (rows padded), then `row_counts`."""
-    num_logits = inputs.logits_indices.shape[0]
-    return [
-        _pad_rows(inputs.token_ids, 0),
-        _pad_rows(inputs.positions, 0),
-        _pad_rows(inputs.slot_mapping, -1),
-        host_aligned(inputs.block_tables),
-        host_aligned(inputs.seq_lens),
-        host_aligned(inputs.query_start_loc),
-        _pad_rows(inputs.logits_indices, 0),
-        np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64),
-    ]
+    """The compiled function's host inputs before the cache (rows padded), then `row_counts`, in
+    arrays of their own (HostStepBuffers reuses its arrays from step to step)."""
+    return HostStepBuffers().tensors(inputs)
+
+
+class HostStepBuffers:
+    """`step_tensors`' arrays written into aligned buffers kept from step to step, one a tensor, grown
+    when a step needs more: no allocation on the decode loop's critical path. A CPU step finishes
+    before the next is built, so each buffer is free again when the next step fills it."""
+
+    def __init__(self) -> None:
+        self._buffers: list[IndexArray | None] = [None] * 8
+
+    def tensors(self, inputs: StepInputs) -> list[IndexArray]:
+        num_logits = inputs.logits_indices.shape[0]
+        return [
+            self._rows(0, inputs.token_ids, 0),
+            self._rows(1, inputs.positions, 0),
+            self._rows(2, inputs.slot_mapping, -1),
+            self._copy(3, inputs.block_tables),
+            self._copy(4, inputs.seq_lens),
+            self._copy(5, inputs.query_start_loc),
+            self._rows(6, inputs.logits_indices, 0),
+            self._copy(7, np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64)),
+        ]
+
+    def _take(self, index: int, size: int) -> IndexArray:
+        buffer = self._buffers[index]
+        if buffer is None or buffer.shape[0] < size:
+            buffer = self._buffers[index] = _aligned_empty((max(size, 64),), np.dtype(np.int64))
+        return buffer[:size]
+
+    def _rows(self, index: int, array: IndexArray, fill: int) -> IndexArray:
+        rows = max(ROW_BLOCK, -(-array.shape[0] // ROW_BLOCK) * ROW_BLOCK)
+        padded = self._take(index, rows)
+        padded[: array.shape[0]] = array
+        padded[array.shape[0] :] = fill
+        return padded.reshape(-1, ROW_BLOCK)
+
+    def _copy(self, index: int, array: IndexArray) -> IndexArray:
+        copy = self._take(index, array.size).reshape(array.shape)
+        copy[...] = array
+        return copy
 
 
 class TVMExecutable:
@@ -194,6 +217,7 @@ class TVMExecutable:
         else:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
+        self._host_buffers = HostStepBuffers()
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
         self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
@@ -302,7 +326,7 @@ class TVMExecutable:
                     return replayed.to("cpu", torch.float32).numpy()
             logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache))
             return logits[:num_logits].to("cpu", torch.float32).numpy()
-        logits = np.from_dlpack(self.call(self.step_tensors(inputs), kv_cache))[:num_logits]
+        logits = np.from_dlpack(self.call(self._host_buffers.tensors(inputs), kv_cache))[:num_logits]
         return logits.astype(np.float32, copy=False)
 
 

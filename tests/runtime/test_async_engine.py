@@ -49,6 +49,36 @@ def test_streams_match_the_sync_engine(make_tiny_engine) -> None:
         engine.shutdown()
 
 
+def test_a_step_hands_its_outputs_to_the_event_loop_at_once(make_tiny_engine) -> None:
+    sync = make_tiny_engine()
+    engine = AsyncEngine(sync)
+    handoffs = 0
+
+    async def main() -> None:
+        nonlocal handoffs
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal handoffs
+            handoffs += 1
+            return schedule(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        async def one(i: int) -> None:
+            async for _ in engine.generate(_prompt(i), PARAMS, request_id=f"r{i}"):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(6)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert 0 < handoffs <= sync.stats.num_steps  # one a step, not one a stream a step
+
+
 def test_the_event_loop_is_not_blocked(make_tiny_engine) -> None:
     engine = AsyncEngine(make_tiny_engine())
     ticks: list[float] = []

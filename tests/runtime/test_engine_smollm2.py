@@ -136,6 +136,10 @@ def test_prompt_logprobs_match_a_direct_computation(smollm2_o2) -> None:
         assert len(entry) in (2, 3)  # the actual token plus the top 2 (which may include it)
     (top,) = output.outputs[0].logprobs
     assert output.outputs[0].token_ids[0] in top and len(top) in (3, 4)
+    assert output.outputs[0].cumulative_logprob == top[output.outputs[0].token_ids[0]]
+    engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=2))
+    (plain,) = engine.run_to_completion()
+    assert plain.outputs[0].cumulative_logprob is None  # no log-softmax for a request without logprobs
 
 
 @pytest.mark.parametrize(

@@ -407,11 +407,11 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     sequences = [_seq(p, prompt=[0, 1], output=[2, 3]) for p in params]
     raw = _log_softmax(logits)
     for i, token in enumerate(sample(logits, sequences)):
-        assert token.logprob == pytest.approx(float(raw[i, token.token_id]), abs=1e-5)
         num_top = params[i].logprobs
-        if num_top is None:
-            assert token.top_logprobs is None
+        if num_top is None:  # no log-softmax computed for a row that reports none
+            assert token.logprob is None and token.top_logprobs is None
             continue
+        assert token.logprob == pytest.approx(float(raw[i, token.token_id]), abs=1e-5)
         assert token.top_logprobs is not None
         top = np.argsort(-raw[i])[:num_top].tolist()
         assert list(token.top_logprobs)[:num_top] == top  # in rank order

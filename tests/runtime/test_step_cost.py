@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from kiln.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel
+from kiln.runtime.step_cost import MIN_PREFILL_TOKENS, WINDOW, StepCostModel
 
 
 def _decoding(model: StepCostModel, base: float = 0.004, per_row: float = 0.0015) -> StepCostModel:
@@ -58,3 +59,15 @@ def test_the_prompt_cost_follows_the_newest_chunks() -> None:
     for _ in range(8):  # small chunks beside decodes cost four times as much a token
         model.observe(12, 16, 0.004 + 0.0015 * 12 + 16 * 0.002)
     assert model.prefill_seconds_per_token == pytest.approx(0.002, rel=0.01)
+
+
+def test_the_line_fits_only_the_newest_window_of_steps() -> None:
+    model = StepCostModel()
+    rng = np.random.default_rng(0)
+    steps = [(int(rng.integers(1, 17)), float(rng.uniform(0.004, 0.030))) for _ in range(3 * WINDOW + 5)]
+    for rows, seconds in steps:
+        model.observe(rows, 0, seconds)
+    kept = np.asarray(model.decode_steps)  # as the model counted them (outliers capped)
+    assert len(kept) == WINDOW
+    per_row, base = np.polyfit(kept[:, 0], kept[:, 1], 1)
+    assert model.decode_line == pytest.approx((base, per_row), rel=1e-9, abs=1e-12)

@@ -34,7 +34,7 @@ def test_the_mask_keeps_only_allowed_tokens() -> None:
     masked = apply_token_bitmask(logits, bitmask)
     assert np.flatnonzero(np.isfinite(masked[0])).tolist() == [1, 3, 35]
     assert np.isfinite(masked[1]).all()
-    rows = [SequenceSampling(SamplingParams(temperature=0), make_generator(0)) for _ in range(2)]
+    rows = [SequenceSampling(SamplingParams(temperature=0, logprobs=0), make_generator(0)) for _ in range(2)]
     raw = np.arange(80, dtype=np.float32).reshape(2, 40)
     chosen = sample(raw, rows, token_bitmask=bitmask)
     assert [c.token_id for c in chosen] == [35, 39]
