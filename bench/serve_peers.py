@@ -93,7 +93,7 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     from kiln.frontend.pull import resolve_model
 
     gguf = resolve_model(args.model)
-    artifact = work / "tvm-gguf"
+    artifact = work / args.model / "tvm-gguf"
     if not (artifact / "manifest.json").is_file():
         subprocess.run(
             [*KILN, "compile", args.model, "--backend", "tvm", "--quantization", "gguf", "-o", str(artifact)],
