@@ -286,7 +286,9 @@ class LLMEngine:
     def _sample_and_update(
         self, logits: Logits, to_sample: list[tuple[Sequence, int]], touched: dict[str, Request]
     ) -> None:
-        rows = logits[[row for _, row in to_sample]]
+        indices = [row for _, row in to_sample]
+        # the sampler copies what it changes, so the common case (every row, in order) needs no copy
+        rows = logits if indices == list(range(logits.shape[0])) else logits[indices]
         states = [self._states[seq.seq_id] for seq, _ in to_sample]
         bitmask = self.grammars.bitmask([state.constraint for state in states])
         samplings = [state.sampling for state in states]
