@@ -35,7 +35,10 @@ from kiln.runtime.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from kiln.console import Progress
 
-Prompt = str | Sequence[int]
+# vLLM's prompt forms: a text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, either
+# with "multi_modal_data" ({"image": PIL image or a list of them}) for a model that takes images
+Prompt = str | Sequence[int] | dict[str, Any]
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "OptionsError", "describe", "open_model"]
@@ -191,9 +194,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; the outputs in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = [self._engine_prompt(prompt) for prompt in prompts]  # type: ignore[union-attr]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -206,9 +209,43 @@ class LLM:
         finished = {output.request_id: output for output in self.engine.run_to_completion()}
         return [finished[request_id] for request_id in ids]
 
+    def _engine_prompt(self, prompt: Prompt) -> str | Sequence[int]:
+        """A prompt as the engine takes it; a ValueError for a dict it cannot serve."""
+        if not isinstance(prompt, dict):
+            return prompt
+        unknown = set(prompt) - PROMPT_KEYS
+        if unknown:
+            raise ValueError(f"a prompt dict takes {sorted(PROMPT_KEYS)}, not {sorted(unknown)}")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a prompt dict holds exactly one of prompt and prompt_token_ids")
+        for modality in prompt.get("multi_modal_data") or {}:
+            if modality not in self.engine.input_modalities:
+                takes = ", ".join(self.engine.input_modalities)
+                raise ValueError(f"multi_modal_data[{modality!r}]: this model takes {takes} only")
+        return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+
     def chat(
-        self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None
+        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
     ) -> RequestOutput:
+        """One conversation; a message's content is a text or OpenAI's list of parts."""
         tokenizer = self.get_tokenizer()
+        messages = [self._chat_message(i, message) for i, message in enumerate(messages)]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([tokenizer.encode(text, add_special_tokens=False)], sampling_params)[0]
+
+    def _chat_message(self, index: int, message: dict[str, Any]) -> dict[str, Any]:
+        """A message with its content as text; a ValueError naming an image part a text model cannot take."""
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(part["text"])
+            elif kind in ("image_url", "image_pil", "image") and "image" not in self.engine.input_modalities:
+                where = f"messages[{index}].content[{j}]"
+                raise ValueError(f"{where} is an image, and this model takes text only")
+            else:
+                raise ValueError(f"messages[{index}].content[{j}]: unknown content part type {kind!r}")
+        return {**message, "content": "\n".join(texts)}

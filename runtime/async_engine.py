@@ -95,6 +95,10 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
+    def input_modalities(self) -> tuple[str, ...]:
+        return self._engine.input_modalities
+
+    @property
     def max_num_seqs(self) -> int:
         return self._engine.scheduler.config.max_num_seqs
 

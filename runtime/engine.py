@@ -201,6 +201,11 @@ class LLMEngine:
         return bool(self.requests)
 
     @property
+    def input_modalities(self) -> tuple[str, ...]:
+        """What a prompt may hold. Text only: no artifact carries a vision encoder yet (issue 42)."""
+        return ("text",)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 

@@ -9,7 +9,7 @@ Each request model turns itself into the engine's SamplingParams; ranges are che
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -214,6 +214,7 @@ class ModelCard(ResponseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])  # "image" for a vision model
 
 
 class ModelList(ResponseModel):
@@ -288,6 +289,19 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # data:image/...;base64,..., file://... or http(s)://...
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContentPart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class FunctionCallParam(RequestModel):
     name: str
     arguments: str  # JSON text
@@ -301,7 +315,7 @@ class ToolCallParam(RequestModel):
 
 class ChatMessageParam(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = Field(default=None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant
     tool_call_id: str | None = None  # tool
@@ -318,7 +332,13 @@ class ChatMessageParam(RequestModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def image_parts(self) -> list[tuple[int, ImageContentPart]]:
+        """(index in content, part) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, ImageContentPart)]
 
 
 class FunctionDefinition(RequestModel):

@@ -196,6 +196,7 @@ class OpenAIServing:
                 f"chat_template_kwargs may not set {sorted(reserved)}: they have their own fields",
                 "chat_template_kwargs",
             )
+        self._check_images(messages)
         chat = template_messages(list(messages))
         try:
             return self.tokenizer.apply_chat_template(
@@ -205,6 +206,17 @@ class OpenAIServing:
             raise bad_request(error.one_line(), "messages") from None
         except Exception as error:  # a template that fails on these messages is still a bad request
             raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
+
+    def _check_images(self, messages: Sequence[ChatMessageParam]) -> None:
+        """A 400 naming the first image part where the model takes no images."""
+        if "image" in self.engine.input_modalities:
+            return
+        for i, message in enumerate(messages):
+            for j, _ in message.image_parts():
+                where = f"messages[{i}].content[{j}]"
+                raise bad_request(
+                    f"{where} is an image, and model {self.model_name!r} takes text only", where
+                )
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size

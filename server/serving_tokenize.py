@@ -16,7 +16,12 @@ from kiln.server.serving_engine import OpenAIServing
 
 class OpenAIServingTokenization(OpenAIServing):
     def models(self) -> ModelList:
-        card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
+        card = ModelCard(
+            id=self.model_name,
+            root=self.model_name,
+            max_model_len=self.max_model_len,
+            input_modalities=list(self.engine.input_modalities),
+        )
         return ModelList(data=[card])
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:

@@ -23,6 +23,17 @@ def test_llm_generate_keeps_the_prompt_order(smollm2_gguf_path) -> None:
     assert "Paris" in reply.outputs[0].text
     with pytest.raises(ValueError, match="sampling params for 3 prompts"):
         llm.generate(prompts, [params])
+    as_dicts = llm.generate([{"prompt": prompts[1]}, {"prompt_token_ids": one.prompt_token_ids}], params)
+    assert all(o.outputs[0].token_ids == one.outputs[0].token_ids for o in as_dicts)
+    parts = [{"type": "text", "text": "What is the capital of France?"}]
+    assert llm.chat([{"role": "user", "content": parts}], params).outputs[0].text == reply.outputs[0].text
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\] is an image.*text only"):
+        llm.chat([{"role": "user", "content": [*parts, image]}], params)
+    with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]: this model takes text only"):
+        llm.generate({"prompt": "What is this?", "multi_modal_data": {"image": object()}}, params)
+    with pytest.raises(ValueError, match="exactly one of prompt and prompt_token_ids"):
+        llm.generate({"prompt": "x", "prompt_token_ids": [1]}, params)
 
 
 @pytest.mark.slow

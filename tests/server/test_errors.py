@@ -74,6 +74,9 @@ def test_invalid_completion_fields_are_400(api_server, field: str, value: object
     assert_error(api_server.post("/v1/completions", json=body), 400, "invalid_request_error", param)
 
 
+_IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
 @pytest.mark.parametrize(
     ("changes", "param"),
     [
@@ -84,8 +87,17 @@ def test_invalid_completion_fields_are_400(api_server, field: str, value: object
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",  # a text-only model
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, _IMAGE_PART]}]},
+            "messages[0].content[1]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {}}]}]},
             "messages[0].content",
         ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"temperature": -1}, "temperature"),
         ({"n": 0}, "n"),
         ({"priority": -1}, "priority"),
@@ -188,3 +200,16 @@ def test_the_server_survives_bad_input(api_server) -> None:
     )
     assert out.choices[0].text == " Paris"
     assert "Traceback" not in api_server.log()
+
+
+def test_an_image_for_a_text_only_model_names_the_part(api_server) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, _IMAGE_PART]}]
+    for path, body in (
+        ("/v1/chat/completions", {"model": api_server.model, "messages": messages, "max_tokens": 2}),
+        ("/tokenize", {"model": api_server.model, "messages": messages}),
+    ):
+        response = api_server.post(path, json=body)
+        assert_error(response, 400, "invalid_request_error", "messages[0].content[1]")
+        assert "takes text only" in response.json()["error"]["message"]
+    models = httpx.get(f"{api_server.url}/v1/models", timeout=10).json()["data"]
+    assert models[0]["input_modalities"] == ["text"]
