@@ -53,6 +53,22 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return get_op("gelu_tanh").reference(x)
 
 
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return get_op("gelu").reference(x)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return get_op("quick_gelu").reference(x)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float) -> torch.Tensor:
+    return get_op("layer_norm").reference(x, weight, bias, eps=eps)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return get_op("attention").reference(q, k, v, scale=scale)
+
+
 def scale(x: torch.Tensor, *, factor: float) -> torch.Tensor:
     return get_op("scale").reference(x, factor=factor)
 
@@ -79,6 +95,10 @@ WRAPPED_OPS = {
     rope: "rope",
     paged_attention: "paged_attention",
     gelu_tanh: "gelu_tanh",
+    gelu: "gelu",
+    quick_gelu: "quick_gelu",
+    layer_norm: "layer_norm",
+    attention: "attention",
     scale: "scale",
     softcap: "softcap",
     moe: "moe",

@@ -287,3 +287,29 @@ register(
         doc="attention of q[T,H,D] over the paged cache after writing k, v (see the function)",
     )
 )
+
+
+def _infer_attention(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    q, k, v = (required(inputs[i], name) for i, name in enumerate(("q", "k", "v")))
+    require(q.rank == 3 and k.rank == 3 and v.rank == 3, "q, k, v must be [T, heads, head_dim]")
+    require(q.shape == k.shape == v.shape, f"q {q.text()}, k {k.text()} and v {v.text()} must agree")
+    require(isinstance(attrs.get("scale"), float), "scale must be a float")
+    return [TensorType(q.dtype, q.shape)]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Every row sees every row (one image's patches), in float32 whatever the dtype."""
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+register(
+    OpDef(
+        "attention",
+        (3, 3),
+        {"scale": "softmax scale, usually head_dim ** -0.5"},
+        _infer_attention,
+        attention,
+        doc="bidirectional attention of q[T,H,D] over k, v[T,H,D] of one sequence (a vision encoder's)",
+    )
+)

@@ -57,6 +57,17 @@ def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
 register(
     OpDef("gelu_tanh", (1, 1), {}, _infer_same, gelu_tanh, doc="GELU, tanh approximation (Gemma's GeGLU)")
 )
+register(OpDef("gelu", (1, 1), {}, _infer_same, lambda x: F.gelu(x), doc="GELU with erf (vision towers)"))
+register(
+    OpDef(
+        "quick_gelu",
+        (1, 1),
+        {},
+        _infer_same,
+        lambda x: x * torch.sigmoid(1.702 * x),
+        doc="x * sigmoid(1.702 x) (CLIP's activation)",
+    )
+)
 register(OpDef("scale", (1, 1), {"factor": "the constant multiplier"}, _infer_same, scale, doc="x * factor"))
 register(
     OpDef(
@@ -203,6 +214,32 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 register(OpDef("linear", (2, 3), {}, _infer_linear, linear_rows, doc="x @ weight.T + bias; weight[N, K]"))
+
+
+def _infer_layer_norm(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    x, weight, bias = required(inputs[0], "x"), required(inputs[1], "weight"), required(inputs[2], "bias")
+    require(x.dtype in FLOAT_DTYPES, f"expects a float input, got {x.dtype}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        require(param.shape == (x.shape[-1],), f"{name} {shape_text(param.shape)} does not fit x {x.text()}")
+    return [TensorType(x.dtype, x.shape)]
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """Over the last dim, in float32 whatever x's dtype."""
+    wide = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
+    return wide.to(x.dtype)
+
+
+register(
+    OpDef(
+        "layer_norm",
+        (3, 3),
+        {"eps": "added to the variance"},
+        _infer_layer_norm,
+        layer_norm,
+        doc="(x - mean) / sqrt(var + eps) * weight + bias over the last dim",
+    )
+)
 
 
 def _infer_rms_norm(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
