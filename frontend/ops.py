@@ -65,8 +65,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps
     return get_op("layer_norm").reference(x, weight, bias, eps=eps)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
-    return get_op("attention").reference(q, k, v, scale=scale)
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_rows: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    return get_op("attention").reference(q, k, v, num_rows, scale=scale)
 
 
 def scale(x: torch.Tensor, *, factor: float) -> torch.Tensor:

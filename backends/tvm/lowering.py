@@ -26,14 +26,28 @@ from typing import Any
 from tvm import relax, tirx
 
 from kiln.backends.base import BackendError
-from kiln.backends.tvm import ops_attention, ops_basic, ops_moe, ops_quant  # noqa: F401  (register the lowerings)
+from kiln.backends.tvm import (  # noqa: F401  (register the lowerings)
+    ops_attention,
+    ops_basic,
+    ops_moe,
+    ops_quant,
+    ops_vision,
+)
 from kiln.backends.tvm.kernels import int_dot
-from kiln.backends.tvm.lowerer import ROW_BLOCK, ROW_COUNTS, DecodeKernels, Lowerer, ParamSpec, Schedule
+from kiln.backends.tvm.lowerer import (
+    ROW_BLOCK,
+    ROW_COUNTS,
+    TVM_DTYPES,
+    DecodeKernels,
+    Lowerer,
+    ParamSpec,
+    Schedule,
+)
 from kiln.backends.tvm.lowering_registry import LOWERINGS
-from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph
+from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, TensorType
 
-PADDED_INPUTS = ("token_ids", "positions", "slot_mapping", "logits_indices")
 DECODE_BLOCKS = 1  # tq and lq of `decode`
+ENCODE_IMAGE = "encode_image"
 
 
 def unsupported_nodes(graph: Graph) -> list[str]:
@@ -53,6 +67,11 @@ class LoweredStep:
     functions: list[str]
 
 
+def _padded(tensor_type: TensorType) -> bool:
+    """Whether an input's rows are the executable's padded token (T) or logits (L) rows."""
+    return tensor_type.rank >= 1 and tensor_type.shape[0] in ("T", "L")
+
+
 def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
     """Emit one Relax function of the graph: `blocks` token (and logits) row blocks, None: symbolic."""
     lw.dims["tq"] = tirx.Var("tq", "int64") if blocks is None else blocks
@@ -62,9 +81,11 @@ def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
     graph = lw.graph
     inputs: list[relax.Var] = []
     for value in graph.inputs:
-        if value.name in PADDED_INPUTS:
-            row_blocks = lw.dims["lq" if value.name == "logits_indices" else "tq"]
-            var = relax.Var(value.name, relax.TensorType([row_blocks, ROW_BLOCK], "int64"))
+        if _padded(value.type):  # passed as [row blocks, 4, ...], so the blocks bind the symbol
+            row_blocks = lw.dims["lq" if value.type.shape[0] == "L" else "tq"]
+            rest = [lw.dim(d) for d in value.type.shape[1:]]
+            dtype = TVM_DTYPES[value.type.dtype]
+            var = relax.Var(value.name, relax.TensorType([row_blocks, ROW_BLOCK, *rest], dtype))
         else:
             expected = STEP_INPUT_TYPES.get(value.name, value.type)
             var = relax.Var(value.name, lw.sinfo(expected if value.name != KV_CACHE_INPUT else value.type))
@@ -73,8 +94,8 @@ def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
     with lw.builder.function(name):
         with lw.builder.dataflow():
             for value, var in zip(graph.inputs, inputs, strict=True):
-                if value.name in PADDED_INPUTS:
-                    flat = [lw.dims["L" if value.name == "logits_indices" else "T"]]
+                if _padded(value.type):
+                    flat = [lw.dims[str(value.type.shape[0])], *(lw.dim(d) for d in value.type.shape[1:])]
                     lw.values[value.name] = lw.emit(relax.op.reshape(var, flat))
                 else:
                     lw.values[value.name] = var
@@ -131,3 +152,14 @@ def lower_graph(
             raise BackendError("tvm: `decode` and `step` lowered to different weight parameters")
         functions.append("decode")
     return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins, functions)
+
+
+def lower_encoder(graph: Graph, target_kind: str, schedule: Schedule) -> LoweredStep:
+    """An image encoder's graph (inputs typed over padded rows T) as one Relax function `encode_image`,
+    called as `encode_image(*inputs, row_counts, *weights)` with T a multiple of 4."""
+    problems = unsupported_nodes(graph)
+    if problems:
+        raise BackendError(problems[0])
+    lw = Lowerer(graph, target_kind, schedule)
+    _lower_function(lw, ENCODE_IMAGE, None)
+    return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins, [ENCODE_IMAGE])

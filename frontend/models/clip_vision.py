@@ -1,12 +1,13 @@
 """LLaVA-1.5's image encoder in plain torch.nn: a CLIP ViT up to the feature layer, then the MLP
 projector into the text model's hidden size. `forward` takes one image's patches, flattened on the
-host (`patches_of`), and returns one row per patch (the class token's row first): the embeddings
-that take the place of the image's placeholder tokens.
+host (`encoder_inputs`), and returns one row per patch (the class token's row first): the embeddings
+that take the place of the image's placeholder tokens. The rows may be padded (a backend computes rows
+in blocks): `num_rows` says how many are real, and attention sees only those.
 
 The patch-embedding convolution (stride = kernel = patch) is a linear map of each flattened patch. The
 class token is folded into the position table's first row and enters through a zero patch row, so the
 graph needs no concatenation: row 0 of `patches` is zeros, and row 0 of `positions` is
-class_embedding + position_embedding[0].
+class_embedding + position_embedding[0]; `position_ids` picks each row's (padding rows: row 0's).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.frontend.ops import attention, gelu, layer_norm, quick_gelu
+from kiln.ir import TensorType
 
 ACTIVATIONS = ("quick_gelu", "gelu")
 
@@ -114,10 +116,10 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, size)
         self.act = config.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
         h = self.layer_norm1(x)
         q, k, v = (_linear(proj, h).view(-1, self.heads, self.head_dim) for proj in self.qkv)
-        attended = attention(q, k, v, scale=float(self.head_dim) ** -0.5)
+        attended = attention(q, k, v, num_rows, scale=float(self.head_dim) ** -0.5)
         x = x + _linear(self.out_proj, attended.view(-1, self.heads * self.head_dim))
         return x + _linear(self.fc2, _activation(self.act, _linear(self.fc1, self.layer_norm2(x))))
 
@@ -137,10 +139,13 @@ class ClipVisionProjector(nn.Module):
         self.linear_2 = nn.Linear(config.text_hidden_size, config.text_hidden_size)
         self.act = config.projector_hidden_act
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        x = self.pre_layernorm(_linear(self.patch_embedding, patches) + self.positions)
+    def forward(
+        self, patches: torch.Tensor, position_ids: torch.Tensor, num_rows: torch.Tensor
+    ) -> torch.Tensor:
+        x = _linear(self.patch_embedding, patches) + F.embedding(position_ids, self.positions)
+        x = self.pre_layernorm(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, num_rows)
         return _linear(self.linear_2, _activation(self.act, _linear(self.linear_1, x)))
 
 
@@ -193,11 +198,30 @@ def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor
     return state
 
 
-def patches_of(pixel_values: npt.NDArray[np.float32], patch_size: int) -> npt.NDArray[np.float32]:
-    """[3, H, W] pixel values as [1 + patches, 3 * p * p]: a zero row (the class token's), then each
-    patch in raster order, flattened as the convolution's weight is (channel, row, column)."""
+def encoder_inputs(
+    pixel_values: npt.NDArray[np.float32], patch_size: int, row_block: int = 1
+) -> dict[str, npt.NDArray[Any]]:
+    """The encoder's inputs for one image's [3, H, W] pixel values: `patches` [rows, 3 * p * p], a zero
+    row (the class token's) then each patch in raster order, flattened as the convolution's weight is
+    (channel, row, column); `position_ids` [rows]; `num_rows` [1]. Rows are padded with zeros (position
+    0) to a multiple of `row_block`."""
     channels, height, width = pixel_values.shape
     grid_h, grid_w = height // patch_size, width // patch_size
     blocks = pixel_values.reshape(channels, grid_h, patch_size, grid_w, patch_size)
     flat = blocks.transpose(1, 3, 0, 2, 4).reshape(grid_h * grid_w, channels * patch_size * patch_size)
-    return np.concatenate([np.zeros((1, flat.shape[1]), np.float32), flat]).astype(np.float32)
+    real = grid_h * grid_w + 1
+    rows = -(-real // row_block) * row_block
+    patches = np.zeros((rows, flat.shape[1]), np.float32)
+    patches[1:real] = flat
+    position_ids = np.zeros(rows, np.int64)
+    position_ids[:real] = np.arange(real)
+    return {"patches": patches, "position_ids": position_ids, "num_rows": np.array([real], np.int64)}
+
+
+def input_types(config: ClipVisionConfig) -> dict[str, TensorType]:
+    """`forward`'s inputs: T rows (padded), as capture types them."""
+    return {
+        "patches": TensorType("f32", ("T", config.patch_dim)),
+        "position_ids": TensorType("i64", ("T",)),
+        "num_rows": TensorType("i64", (1,)),
+    }

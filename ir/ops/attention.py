@@ -293,23 +293,36 @@ def _infer_attention(inputs: Sequence[TensorType | None], attrs: dict[str, Any])
     q, k, v = (required(inputs[i], name) for i, name in enumerate(("q", "k", "v")))
     require(q.rank == 3 and k.rank == 3 and v.rank == 3, "q, k, v must be [T, heads, head_dim]")
     require(q.shape == k.shape == v.shape, f"q {q.text()}, k {k.text()} and v {v.text()} must agree")
+    num_rows = inputs[3] if len(inputs) > 3 else None
+    if num_rows is not None:
+        require(
+            num_rows.shape == (1,) and num_rows.dtype == "i64",
+            f"num_rows must be [1] i64, got {num_rows.text()}",
+        )
     require(isinstance(attrs.get("scale"), float), "scale must be a float")
     return [TensorType(q.dtype, q.shape)]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """Every row sees every row (one image's patches), in float32 whatever the dtype."""
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_rows: torch.Tensor | None = None, *, scale: float
+) -> torch.Tensor:
+    """Each row sees the first `num_rows` rows (all without it): one image's patches, the rows past
+    them padding, whose own results are zeros. In float32 whatever the dtype."""
+    real = q.shape[0] if num_rows is None else int(num_rows[0])
+    scores = torch.einsum("qhd,khd->hqk", q[:real].float(), k[:real].float()) * scale
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    out[:real] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v[:real].float())
+    return out.to(q.dtype)
 
 
 register(
     OpDef(
         "attention",
-        (3, 3),
+        (3, 4),
         {"scale": "softmax scale, usually head_dim ** -0.5"},
         _infer_attention,
         attention,
-        doc="bidirectional attention of q[T,H,D] over k, v[T,H,D] of one sequence (a vision encoder's)",
+        doc="bidirectional attention of q[T,H,D] over k, v[T,H,D] of one sequence (a vision encoder's), "
+        "its first num_rows[0] rows real (optional 4th input)",
     )
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,10 +15,10 @@ from kiln.frontend.capture import capture_module
 from kiln.frontend.models.clip_vision import (
     ClipVisionConfig,
     ClipVisionProjector,
+    encoder_inputs,
     from_llava_weights,
-    patches_of,
+    input_types,
 )
-from kiln.ir import TensorType
 from kiln.ir.interpreter import interpret
 
 transformers = pytest.importorskip("transformers")
@@ -68,9 +69,7 @@ def test_the_captured_encoder_matches_transformers(tmp_path: Path, strategy: str
     module = ClipVisionProjector(config)
     state = from_llava_weights(config, load_file(folder / "model.safetensors"))
     module.load_state_dict(state, strict=True)
-    graph = capture_module(
-        module.eval(), {"patches": TensorType("f32", (config.num_rows, config.patch_dim))}, "encode_image"
-    )
+    graph = capture_module(module.eval(), input_types(config), "encode_image")
     weights = {p.name: module.get_parameter(p.name).detach() for p in graph.params}
     pixel_values = torch.randn(
         2, 3, config.image_size, config.image_size, generator=torch.Generator().manual_seed(1)
@@ -84,7 +83,34 @@ def test_the_captured_encoder_matches_transformers(tmp_path: Path, strategy: str
         )
     expected = expected.pooler_output if hasattr(expected, "pooler_output") else expected
     for image, want in zip(pixel_values, expected, strict=True):
-        (rows,) = interpret(graph, weights, {"patches": patches_of(image.numpy(), config.patch_size)})
-        got = rows if config.keep_class_token else rows[1:]
+        inputs = encoder_inputs(image.numpy(), config.patch_size, row_block=4)  # 17 rows padded to 20
+        (rows,) = interpret(graph, weights, inputs)
+        assert rows.shape[0] == 20
+        got = rows[: config.num_rows] if config.keep_class_token else rows[1 : config.num_rows]
         assert got.shape == (config.num_image_tokens, 48) == want.shape
         assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
+
+
+def test_the_encoder_compiled_by_tvm_matches_the_interpreter(tmp_path: Path) -> None:
+    from kiln.backends.targets import Target
+    from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
+
+    folder = _tiny_llava(tmp_path / "llava")
+    config = ClipVisionConfig.from_llava(json.loads((folder / "config.json").read_text()))
+    module = ClipVisionProjector(config)
+    module.load_state_dict(from_llava_weights(config, load_file(folder / "model.safetensors")), strict=True)
+    graph = capture_module(module.eval(), input_types(config), "encode_image")
+    weights = {p.name: module.get_parameter(p.name).detach() for p in graph.params}
+    compile_encoder(graph, Target("cpu"), tmp_path / "encoder")
+    encoder = TVMImageEncoder(tmp_path / "encoder", weights)
+    for seed in (1, 2):
+        pixels = torch.randn(
+            3, config.image_size, config.image_size, generator=torch.Generator().manual_seed(seed)
+        )
+        inputs = encoder_inputs(pixels.numpy(), config.patch_size, row_block=4)
+        (expected,) = interpret(graph, weights, inputs)
+        got = encoder.encode(inputs)
+        assert got.shape == tuple(expected.shape)
+        assert np.allclose(got, expected.numpy(), atol=1e-4, rtol=0), float(
+            np.abs(got - expected.numpy()).max()
+        )
