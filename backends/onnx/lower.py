@@ -11,7 +11,13 @@ import onnx
 from onnx import helper
 
 from kiln.backends.base import BackendError
-from kiln.backends.onnx import ops_attention, ops_basic, ops_moe, ops_quant  # noqa: F401  (register the rules)
+from kiln.backends.onnx import (  # noqa: F401  (register the rules)
+    ops_attention,
+    ops_basic,
+    ops_moe,
+    ops_quant,
+    ops_vision,
+)
 from kiln.backends.onnx.builder import CONTRIB_DOMAIN, ONNX_DTYPES
 from kiln.backends.onnx.context import LoweringContext, LoweringOptions
 from kiln.backends.onnx.rules import RULES, Rule

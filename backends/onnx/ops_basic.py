@@ -13,7 +13,7 @@ from kiln.backends.onnx.rules import rule
 from kiln.ir import Node, Value
 
 
-def _in(ctx: LoweringContext, node: Node, index: int) -> str:
+def input_name(ctx: LoweringContext, node: Node, index: int) -> str:
     value = node.inputs[index]
     assert value is not None
     return ctx.name(value)
@@ -26,13 +26,13 @@ def _optional(ctx: LoweringContext, node: Node, index: int) -> str | None:
 
 @rule("add")
 def _add(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    ctx.b.node("Add", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs)
+    ctx.b.node("Add", [input_name(ctx, node, 0), input_name(ctx, node, 1)], outputs)
     return "onnx Add"
 
 
 @rule("mul")
 def _mul(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    ctx.b.node("Mul", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs)
+    ctx.b.node("Mul", [input_name(ctx, node, 0), input_name(ctx, node, 1)], outputs)
     return "onnx Mul"
 
 
@@ -43,14 +43,14 @@ def silu(ctx: LoweringContext, x: str, outputs: list[str] | int = 1) -> str:
 
 @rule("silu")
 def _silu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    silu(ctx, _in(ctx, node, 0), outputs)
+    silu(ctx, input_name(ctx, node, 0), outputs)
     return "onnx Sigmoid, Mul"
 
 
-def _in_float32(ctx: LoweringContext, node: Node, compute: Callable[[str], str], outputs: list[str]) -> None:
+def in_float32(ctx: LoweringContext, node: Node, compute: Callable[[str], str], outputs: list[str]) -> None:
     """outputs = compute(input 0 as float32), cast back to the node's dtype."""
     dtype = _dtype(node)
-    x = _in(ctx, node, 0)
+    x = input_name(ctx, node, 0)
     result = compute(ctx.b.op("Cast", x, to=ONNX_DTYPES["f32"]) if dtype != "f32" else x)
     if dtype != "f32":
         result = ctx.b.op("Cast", result, to=ONNX_DTYPES[dtype])
@@ -68,14 +68,14 @@ def _gelu_tanh(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
         )
         return ctx.b.op("Mul", ctx.b.op("Mul", x, one_plus), ctx.b.const(0.5, np.float32))
 
-    _in_float32(ctx, node, gelu, outputs)
+    in_float32(ctx, node, gelu, outputs)
     return "onnx Mul, Add, Tanh"
 
 
 @rule("scale")
 def _scale(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     factor = float(node.attrs["factor"])
-    _in_float32(ctx, node, lambda x: ctx.b.op("Mul", x, ctx.b.const(factor, np.float32)), outputs)
+    in_float32(ctx, node, lambda x: ctx.b.op("Mul", x, ctx.b.const(factor, np.float32)), outputs)
     return "onnx Mul"
 
 
@@ -87,7 +87,7 @@ def _softcap(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
         tanh = ctx.b.op("Tanh", ctx.b.op("Div", x, ctx.b.const(cap, np.float32)))
         return ctx.b.op("Mul", tanh, ctx.b.const(cap, np.float32))
 
-    _in_float32(ctx, node, bounded, outputs)
+    in_float32(ctx, node, bounded, outputs)
     return "onnx Div, Tanh, Mul"
 
 
@@ -96,19 +96,19 @@ def _reshape(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     shape = node.attrs["shape"]
     assert isinstance(shape, list)
     target = [d if isinstance(d, int) else -1 for d in shape]  # a symbol is the one dim left to infer
-    ctx.b.node("Reshape", [_in(ctx, node, 0), ctx.b.const(target)], outputs)
+    ctx.b.node("Reshape", [input_name(ctx, node, 0), ctx.b.const(target)], outputs)
     return "onnx Reshape"
 
 
 @rule("embedding")
 def _embedding(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    ctx.b.node("Gather", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs, axis=0)
+    ctx.b.node("Gather", [input_name(ctx, node, 0), input_name(ctx, node, 1)], outputs, axis=0)
     return "onnx Gather"
 
 
 @rule("take_rows")
 def _take_rows(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    ctx.b.node("Gather", [_in(ctx, node, 0), _in(ctx, node, 1)], outputs, axis=0)
+    ctx.b.node("Gather", [input_name(ctx, node, 0), input_name(ctx, node, 1)], outputs, axis=0)
     return "onnx Gather"
 
 
@@ -132,7 +132,7 @@ def matmul_2d(ctx: LoweringContext, x: Value, lower_2d: RowsFn, outputs: list[st
 def _linear(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     x = node.inputs[0]
     assert x is not None
-    weight, bias = _in(ctx, node, 1), _optional(ctx, node, 2)
+    weight, bias = input_name(ctx, node, 1), _optional(ctx, node, 2)
 
     def gemm(rows: str, outs: list[str] | int) -> str:
         inputs = [rows, weight] + ([bias] if bias is not None else [])
@@ -166,7 +166,7 @@ def _dtype(node: Node, index: int = 0) -> str:
 def _rms_norm(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     eps = node.attrs["eps"]
     assert isinstance(eps, float)
-    rms_norm(ctx, _in(ctx, node, 0), _dtype(node), _in(ctx, node, 1), eps, outputs)
+    rms_norm(ctx, input_name(ctx, node, 0), _dtype(node), input_name(ctx, node, 1), eps, outputs)
     return "onnx Pow, ReduceMean, Sqrt, Div, Mul"
 
 
@@ -175,21 +175,21 @@ def _add_rms_norm(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     eps = node.attrs["eps"]
     assert isinstance(eps, float)
     normed, total = outputs
-    ctx.b.node("Add", [_in(ctx, node, 0), _in(ctx, node, 1)], [total])
-    rms_norm(ctx, total, _dtype(node), _in(ctx, node, 2), eps, [normed])
+    ctx.b.node("Add", [input_name(ctx, node, 0), input_name(ctx, node, 1)], [total])
+    rms_norm(ctx, total, _dtype(node), input_name(ctx, node, 2), eps, [normed])
     return "onnx Add, Pow, ReduceMean, Sqrt, Div, Mul"
 
 
 @rule("split")
 def _split(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     sizes = node.attrs["sizes"]
-    ctx.b.node("Split", [_in(ctx, node, 0), ctx.b.const(sizes)], outputs, axis=-1)
+    ctx.b.node("Split", [input_name(ctx, node, 0), ctx.b.const(sizes)], outputs, axis=-1)
     return "onnx Split"
 
 
 @rule("swiglu")
 def _swiglu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    gate, up = _in(ctx, node, 0), _optional(ctx, node, 1)
+    gate, up = input_name(ctx, node, 0), _optional(ctx, node, 1)
     if up is None:
         gate, up = ctx.b.node("Split", [gate], 2, axis=-1, num_outputs=2)
     ctx.b.node("Mul", [silu(ctx, gate), up], outputs)
@@ -200,11 +200,11 @@ def _swiglu(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
 def _cast(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     dtype = node.attrs["dtype"]
     assert isinstance(dtype, str)
-    ctx.b.node("Cast", [_in(ctx, node, 0)], outputs, to=ONNX_DTYPES[dtype])
+    ctx.b.node("Cast", [input_name(ctx, node, 0)], outputs, to=ONNX_DTYPES[dtype])
     return "onnx Cast"
 
 
 @rule("transpose")
 def _transpose(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
-    ctx.b.node("Transpose", [_in(ctx, node, 0)], outputs, perm=node.attrs["perm"])
+    ctx.b.node("Transpose", [input_name(ctx, node, 0)], outputs, perm=node.attrs["perm"])
     return "onnx Transpose"

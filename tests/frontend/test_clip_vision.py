@@ -91,18 +91,27 @@ def test_the_captured_encoder_matches_transformers(tmp_path: Path, strategy: str
         assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
 
 
-def test_the_encoder_compiled_by_tvm_matches_the_interpreter(tmp_path: Path) -> None:
-    from kiln.backends.targets import Target
-    from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
-
+@pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
+def test_the_compiled_encoder_matches_the_interpreter(tmp_path: Path, backend: str) -> None:
     folder = _tiny_llava(tmp_path / "llava")
     config = ClipVisionConfig.from_llava(json.loads((folder / "config.json").read_text()))
     module = ClipVisionProjector(config)
     module.load_state_dict(from_llava_weights(config, load_file(folder / "model.safetensors")), strict=True)
     graph = capture_module(module.eval(), input_types(config), "encode_image")
     weights = {p.name: module.get_parameter(p.name).detach() for p in graph.params}
-    compile_encoder(graph, Target("cpu"), tmp_path / "encoder")
-    encoder = TVMImageEncoder(tmp_path / "encoder", weights)
+    if backend == "tvm":
+        from kiln.backends.targets import Target
+        from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
+
+        compile_encoder(graph, Target("cpu"), tmp_path / "encoder")
+        encoder = TVMImageEncoder(tmp_path / "encoder", weights)
+    else:
+        from kiln.backends.onnxruntime.encoder import OrtImageEncoder
+        from kiln.backends.onnxruntime.encoder import compile_encoder as compile_onnx
+        from kiln.ir import Program
+
+        compile_onnx(Program(graph, weights), tmp_path / "encoder")
+        encoder = OrtImageEncoder(tmp_path / "encoder", weights)
     for seed in (1, 2):
         pixels = torch.randn(
             3, config.image_size, config.image_size, generator=torch.Generator().manual_seed(seed)
