@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kiln.errors import ModelLoadError
+from kiln.frontend import llava
 from kiln.frontend.config import ModelConfig, config_from_hf
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+logger = logging.getLogger(__name__)
 
 
 def load_hf_dir(path: Path) -> ModelSource:
@@ -30,7 +33,11 @@ def load_hf_dir(path: Path) -> ModelSource:
             f"{path}: not a directory", hint="pass a HF checkpoint directory holding config.json"
         )
     config = _with_generation_eos(read_config(path), path)
-    weights = adapt_hf_weights(config, read_weights(path))
+    raw_weights = read_weights(path)
+    if llava.is_llava(_read_json(path / "config.json")):
+        logger.warning("%s: a LLaVA checkpoint; its language model is served, images are not yet", path)
+        raw_weights = llava.text_weights(raw_weights)
+    weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
         weights.pop("lm_head.weight", None)
@@ -50,7 +57,10 @@ def read_config(path: Path) -> ModelConfig:
             f"{path}: no config.json",
             hint="a HF checkpoint directory needs config.json; download the full model repository",
         )
-    return config_from_hf(_read_json(config_file), str(config_file))
+    raw = _read_json(config_file)
+    if llava.is_llava(raw):
+        raw = llava.text_config(raw, str(config_file))
+    return config_from_hf(raw, str(config_file))
 
 
 def _read_json(file: Path) -> dict[str, Any]:

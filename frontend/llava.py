@@ -1,0 +1,66 @@
+"""A LLaVA checkpoint (`LlavaForConditionalGeneration`) read as its parts: the language model, which loads
+as the family it is (Llama, Mistral, Qwen2), and the image encoder (`models/clip_vision.py`).
+
+Until the engine takes image embeddings (issue 42), a LLaVA directory serves its language model: text
+in, text out, and an image part is refused as for any text-only model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.errors import ModelLoadError
+from kiln.ir.deferred import Weight
+
+ARCHITECTURE = "LlavaForConditionalGeneration"
+TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# where transformers versions saved the language model: 4.x early, 4.5x, 5.x
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
+_HEADS = ("language_model.lm_head.", "lm_head.")
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
+
+
+def is_llava(config: dict[str, Any]) -> bool:
+    return ARCHITECTURE in (config.get("architectures") or [])
+
+
+def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The language model's config.json, as if saved on its own."""
+    text = dict(config.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in TEXT_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: a LLaVA language model of type {model_type!r} is not supported",
+            hint=f"supported: {', '.join(sorted(TEXT_ARCHITECTURES))}",
+        )
+    text["architectures"] = [TEXT_ARCHITECTURES[model_type]]
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
+
+
+def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:
+    """The language model's tensors under the names a causal LM saves (`model.layers.0...`, `lm_head`);
+    the encoder's are left out."""
+    text: dict[str, Weight] = {}
+    for name, tensor in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        renamed = name
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                renamed = new + name.removeprefix(old)
+        if name.startswith(_HEADS[0]):
+            renamed = _HEADS[1] + name.removeprefix(_HEADS[0])
+        text[renamed] = tensor
+    return text

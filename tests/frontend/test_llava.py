@@ -1,0 +1,73 @@
+"""A LLaVA directory loads its language model: logits on a text-only prompt equal transformers'
+LlavaForConditionalGeneration's (the reference backend), whatever prefixes its weights were saved with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.backends.reference.executable import ReferenceExecutable
+from kiln.frontend.capture import capture_weights
+from kiln.frontend.load import load_model
+from kiln.ir.step import SequenceSlice, build_step_inputs
+
+transformers = pytest.importorskip("transformers")
+
+
+def _save_tiny_llava(folder: Path) -> torch.nn.Module:
+    from tokenizers import Tokenizer, models
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        image_size=28,
+        patch_size=7,
+    )
+    text = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=300,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=299)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 300)}}
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    ).save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("prefix", ["as saved", "model.language_model"])
+def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str) -> None:
+    reference = _save_tiny_llava(tmp_path)
+    if prefix != "as saved":  # transformers 4.5x's names: model.language_model.*, lm_head.*
+        weights = load_file(tmp_path / "model.safetensors")
+        renamed = {
+            name.replace("language_model.model.", "model.language_model.").replace(
+                "language_model.lm_head.", "lm_head."
+            ): tensor
+            for name, tensor in weights.items()
+        }
+        save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    source = load_model(str(tmp_path))
+    assert source.config.architecture == "LlamaForCausalLM" and source.config.vocab_size == 300
+    captured = capture_weights(source.config, source.float_weights())
+    executable = ReferenceExecutable(captured.graph, captured.weights)
+    tokens = torch.randint(3, 298, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    inputs = build_step_inputs([SequenceSlice(tokens, 0, [1], logits_at=range(len(tokens)))], 16)
+    logits = torch.from_numpy(executable.step(inputs, executable.kv_cache_spec.allocate(2, 16)))
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor([tokens])).logits[0]
+    assert torch.allclose(logits, expected, atol=1e-4, rtol=0), float((logits - expected).abs().max())
