@@ -198,6 +198,18 @@ def _reshape(t: _Translator, node: fx.Node) -> Value:
     return t.emit("reshape", [t.value(node.args[0])], {"shape": list(dims)})
 
 
+def _transpose(t: _Translator, node: fx.Node) -> Value:
+    """`x.t()`, `x.transpose(a, b)`, `torch.transpose(x, a, b)`: two dims swapped."""
+    x = t.value(node.args[0])
+    rank = x.type.rank
+    first, second = node.args[1:3] if len(node.args) == 3 else (0, 1)
+    if not (isinstance(first, int) and isinstance(second, int)):
+        raise CaptureError(f"transpose of dims {first}, {second}: only constant dims are supported")
+    perm = list(range(rank))
+    perm[first % rank], perm[second % rank] = perm[second % rank], perm[first % rank]
+    return t.emit("transpose", [x], {"perm": perm})
+
+
 _FUNCTIONS: dict[Any, Callable[[_Translator, fx.Node], Value]] = {
     F.linear: _linear,
     F.embedding: _embedding,
@@ -207,9 +219,15 @@ _FUNCTIONS: dict[Any, Callable[[_Translator, fx.Node], Value]] = {
     torch.add: _binary("add"),
     torch.mul: _binary("mul"),
     torch.index_select: _index_select,
+    torch.transpose: _transpose,
     **{fn: _wrapped(op_name) for fn, op_name in WRAPPED_OPS.items()},
 }
-_METHODS: dict[str, Callable[[_Translator, fx.Node], Value]] = {"view": _reshape, "reshape": _reshape}
+_METHODS: dict[str, Callable[[_Translator, fx.Node], Value]] = {
+    "view": _reshape,
+    "reshape": _reshape,
+    "t": _transpose,
+    "transpose": _transpose,
+}
 
 
 def trace(model: nn.Module) -> fx.Graph:

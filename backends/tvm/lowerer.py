@@ -141,8 +141,11 @@ ROW_COUNTS = "row_counts"  # int64[2]: the real token rows and logits rows (the 
 
 
 def row_blocks(lw: Lowerer, node: Node) -> Any:
-    """The blocks of 4 rows of the node's first input, whose row count must be a padded one (T or L)."""
+    """The blocks of 4 rows of the node's first input, whose row count must be a padded one (T or L)
+    or a fixed multiple of 4 (an image encoder's)."""
     leading = node.inputs[0].type.shape[:-1] if node.inputs[0] is not None else ()
+    if len(leading) == 1 and isinstance(leading[0], int) and leading[0] % ROW_BLOCK == 0:
+        return leading[0] // ROW_BLOCK
     if len(leading) != 1 or leading[0] not in ("T", "L"):
         raise BackendError(
             f"tvm: {node.op} lowers rows of a token- or logits-indexed tensor only, got "

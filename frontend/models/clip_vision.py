@@ -13,7 +13,7 @@ class_embedding + position_embedding[0]; `position_ids` picks each row's (paddin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.ops import attention, gelu, layer_norm, quick_gelu
+from kiln.frontend.ops import attention, gelu, gelu_tanh, layer_norm, quick_gelu
 from kiln.ir import TensorType
 
-ACTIVATIONS = ("quick_gelu", "gelu")
+ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,20 @@ class LayerNorm(nn.Module):
         return layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
+class LayerConfig(Protocol):
+    """What a ViT encoder layer needs of its model's config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    layer_norm_eps: float
+    hidden_act: str
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, config: ClipVisionConfig) -> None:
+    """A ViT layer as CLIP and SigLIP have it (pre-norm attention and MLP, biases everywhere)."""
+
+    def __init__(self, config: LayerConfig) -> None:
         super().__init__()
         size = config.hidden_size
         self.heads = config.num_attention_heads
@@ -116,12 +128,12 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, size)
         self.act = config.hidden_act
 
-    def forward(self, x: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_rows: torch.Tensor | None) -> torch.Tensor:
         h = self.layer_norm1(x)
-        q, k, v = (_linear(proj, h).view(-1, self.heads, self.head_dim) for proj in self.qkv)
+        q, k, v = (linear(proj, h).view(-1, self.heads, self.head_dim) for proj in self.qkv)
         attended = attention(q, k, v, num_rows, scale=float(self.head_dim) ** -0.5)
-        x = x + _linear(self.out_proj, attended.view(-1, self.heads * self.head_dim))
-        return x + _linear(self.fc2, _activation(self.act, _linear(self.fc1, self.layer_norm2(x))))
+        x = x + linear(self.out_proj, attended.view(-1, self.heads * self.head_dim))
+        return x + linear(self.fc2, activation(self.act, linear(self.fc1, self.layer_norm2(x))))
 
     @property
     def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
@@ -142,26 +154,42 @@ class ClipVisionProjector(nn.Module):
     def forward(
         self, patches: torch.Tensor, position_ids: torch.Tensor, num_rows: torch.Tensor
     ) -> torch.Tensor:
-        x = _linear(self.patch_embedding, patches) + F.embedding(position_ids, self.positions)
+        x = linear(self.patch_embedding, patches) + F.embedding(position_ids, self.positions)
         x = self.pre_layernorm(x)
         for layer in self.layers:
             x = layer(x, num_rows)
-        return _linear(self.linear_2, _activation(self.act, _linear(self.linear_1, x)))
+        return linear(self.linear_2, activation(self.act, linear(self.linear_1, x)))
 
 
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     """By name at trace time: the op functions are called by their global names, which fx keeps whole."""
-    return quick_gelu(x) if name == "quick_gelu" else gelu(x)
+    if name == "quick_gelu":
+        return quick_gelu(x)
+    return gelu_tanh(x) if name == "gelu_pytorch_tanh" else gelu(x)
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """As F.linear, which capture maps to the IR's linear (an nn.Linear call is a leaf fx cannot see into)."""
     return F.linear(x, layer.weight, layer.bias)
 
 
-def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The encoder's state dict from a LLaVA checkpoint's tensors, under any of the prefixes
-    transformers versions have saved them with."""
+def encoder_layer_weights(tower: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s part of the state dict from the tower's HF tensors (`encoder.layers.N...`)."""
+    state = {}
+    prefix = f"encoder.layers.{index}."
+    parts = ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2", *(f"self_attn.{p}_proj" for p in "qkv"))
+    for part in (*parts, "self_attn.out_proj"):
+        ours = f"layers.{index}.{part.removeprefix('mlp.').removeprefix('self_attn.')}"
+        for kind in ("weight", "bias"):
+            state[f"{ours}.{kind}"] = tower[f"{prefix}{part}.{kind}"]
+    return state
+
+
+def tower_tensors(
+    weights: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the vision tower's tensors, the projector's) by their names inside each, under any of the
+    prefixes transformers versions have saved them with."""
     tower, projector = {}, {}
     for name, tensor in weights.items():
         short = name.removeprefix("model.")
@@ -169,6 +197,13 @@ def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor
             tower[short.removeprefix("vision_tower.").removeprefix("vision_model.")] = tensor
         elif short.startswith("multi_modal_projector."):
             projector[short.removeprefix("multi_modal_projector.")] = tensor
+    return tower, projector
+
+
+def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The encoder's state dict from a LLaVA checkpoint's tensors, under any of the prefixes
+    transformers versions have saved them with."""
+    tower, projector = tower_tensors(weights)
     try:
         patch = tower["embeddings.patch_embedding.weight"]
         state = {
@@ -179,17 +214,7 @@ def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor
         }
         state["positions"][0] += tower["embeddings.class_embedding"]
         for i in range(config.num_layers):
-            prefix = f"encoder.layers.{i}."
-            for part in (
-                "layer_norm1",
-                "layer_norm2",
-                "mlp.fc1",
-                "mlp.fc2",
-                *(f"self_attn.{p}_proj" for p in ("q", "k", "v", "out")),
-            ):
-                ours = f"layers.{i}.{part.removeprefix('mlp.').removeprefix('self_attn.')}"
-                for kind in ("weight", "bias"):
-                    state[f"{ours}.{kind}"] = tower[f"{prefix}{part}.{kind}"]
+            state |= encoder_layer_weights(tower, i)
         for part in ("linear_1", "linear_2"):
             for kind in ("weight", "bias"):
                 state[f"{part}.{kind}"] = projector[f"{part}.{kind}"]
@@ -205,11 +230,8 @@ def encoder_inputs(
     row (the class token's) then each patch in raster order, flattened as the convolution's weight is
     (channel, row, column); `position_ids` [rows]; `num_rows` [1]. Rows are padded with zeros (position
     0) to a multiple of `row_block`."""
-    channels, height, width = pixel_values.shape
-    grid_h, grid_w = height // patch_size, width // patch_size
-    blocks = pixel_values.reshape(channels, grid_h, patch_size, grid_w, patch_size)
-    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(grid_h * grid_w, channels * patch_size * patch_size)
-    real = grid_h * grid_w + 1
+    flat = flat_patches(pixel_values, patch_size)
+    real = flat.shape[0] + 1
     rows = -(-real // row_block) * row_block
     patches = np.zeros((rows, flat.shape[1]), np.float32)
     patches[1:real] = flat
@@ -225,3 +247,13 @@ def input_types(config: ClipVisionConfig) -> dict[str, TensorType]:
         "position_ids": TensorType("i64", ("T",)),
         "num_rows": TensorType("i64", (1,)),
     }
+
+
+def flat_patches(pixel_values: npt.NDArray[np.float32], patch_size: int) -> npt.NDArray[np.float32]:
+    """[3, H, W] as [patches, 3 * p * p]: raster order, each patch flattened as a patch-embedding
+    convolution's weight is (channel, row, column)."""
+    channels, height, width = pixel_values.shape
+    grid_h, grid_w = height // patch_size, width // patch_size
+    blocks = pixel_values.reshape(channels, grid_h, patch_size, grid_w, patch_size)
+    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(grid_h * grid_w, channels * patch_size * patch_size)
+    return np.ascontiguousarray(flat, dtype=np.float32)

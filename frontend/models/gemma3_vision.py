@@ -1,0 +1,151 @@
+"""Gemma 3's image encoder in plain torch.nn: a SigLIP ViT (all layers, then its post-norm), an average
+pool of the patch grid down to `mm_tokens_per_image` tokens, Gemma's RMSNorm and the projection into
+the text model's hidden size.
+
+Every image has the same fixed grid (896 / 14 = 64 x 64 patches on the real model), so the rows are
+not padded and attention sees them all. The pool is a constant matrix applied to the transposed rows
+(a linear map, so no pooling op): `pool[t, p]` is 1 / k^2 where patch p lies in token t's k x k square.
+Gemma's norm weight w is stored as 1 + w, as the text model's are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from kiln.errors import ModelLoadError
+from kiln.frontend.models.clip_vision import (
+    EncoderLayer,
+    LayerNorm,
+    encoder_layer_weights,
+    flat_patches,
+    linear,
+    tower_tensors,
+)
+from kiln.frontend.ops import rms_norm
+from kiln.ir import TensorType
+
+ARCHITECTURE = "Gemma3ForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_layers: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    text_hidden_size: int
+    tokens_per_image: int
+
+    @classmethod
+    def from_gemma3(cls, config: dict[str, Any]) -> Gemma3VisionConfig:
+        """From a Gemma3ForConditionalGeneration config.json."""
+        vision, text = config["vision_config"], config.get("text_config") or {}
+        made = cls(
+            hidden_size=int(vision["hidden_size"]),
+            intermediate_size=int(vision["intermediate_size"]),
+            num_attention_heads=int(vision["num_attention_heads"]),
+            num_layers=int(vision["num_hidden_layers"]),
+            image_size=int(vision["image_size"]),
+            patch_size=int(vision["patch_size"]),
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            text_hidden_size=int(text.get("hidden_size", 2560)),
+            tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
+        )
+        side = round(made.tokens_per_image**0.5)
+        if side * side != made.tokens_per_image or made.grid % side:
+            raise ModelLoadError(
+                f"mm_tokens_per_image {made.tokens_per_image} does not pool a {made.grid} x {made.grid} grid"
+            )
+        if made.num_rows % 4 or made.hidden_size % 4:
+            raise ModelLoadError(
+                f"a {made.grid} x {made.grid} grid of width {made.hidden_size}: not in rows of 4"
+            )
+        return made
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_rows(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
+
+
+class Gemma3VisionProjector(nn.Module):
+    def __init__(self, config: Gemma3VisionConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Linear(config.patch_dim, config.hidden_size)
+        self.positions = nn.Parameter(torch.zeros(config.num_rows, config.hidden_size))
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.post_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.pool = nn.Parameter(torch.zeros(config.tokens_per_image, config.num_rows))
+        self.soft_emb_norm = nn.Parameter(torch.ones(config.hidden_size))  # 1 + Gemma's w
+        self.projection = nn.Linear(config.hidden_size, config.text_hidden_size, bias=False)
+        self.eps = config.layer_norm_eps
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = linear(self.patch_embedding, patches) + self.positions
+        for layer in self.layers:
+            x = layer(x, None)
+        x = self.post_layernorm(x)
+        pooled = torch.nn.functional.linear(x.t(), self.pool).t()  # [tokens, hidden]
+        return linear(self.projection, rms_norm(pooled, self.soft_emb_norm, eps=self.eps))
+
+
+def pool_matrix(grid: int, tokens: int) -> torch.Tensor:
+    """[tokens, grid * grid]: each token the mean of its k x k square of patches (row-major both)."""
+    side = round(tokens**0.5)
+    k = grid // side
+    rows = torch.arange(grid * grid)
+    token_of_patch = (rows // grid // k) * side + (rows % grid) // k
+    pool = torch.zeros(tokens, grid * grid)
+    pool[token_of_patch, rows] = 1.0 / (k * k)
+    return pool
+
+
+def from_gemma3_weights(
+    config: Gemma3VisionConfig, weights: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The encoder's state dict from a Gemma 3 checkpoint's tensors (the SigLIP head, unused, left out)."""
+    tower, projector = tower_tensors(weights)
+    try:
+        patch = tower["embeddings.patch_embedding.weight"]
+        state = {
+            "patch_embedding.weight": patch.reshape(patch.shape[0], -1),
+            "patch_embedding.bias": tower["embeddings.patch_embedding.bias"],
+            "positions": tower["embeddings.position_embedding.weight"],
+            "post_layernorm.weight": tower["post_layernorm.weight"],
+            "post_layernorm.bias": tower["post_layernorm.bias"],
+            "pool": pool_matrix(config.grid, config.tokens_per_image),
+            "soft_emb_norm": 1.0 + projector["mm_soft_emb_norm.weight"].float(),
+            "projection.weight": projector["mm_input_projection_weight"].t().contiguous(),
+        }
+        for i in range(config.num_layers):
+            state |= encoder_layer_weights(tower, i)
+    except KeyError as missing:
+        raise ModelLoadError(f"the Gemma 3 checkpoint lacks {missing.args[0]}") from None
+    return state
+
+
+def input_types(config: Gemma3VisionConfig) -> dict[str, TensorType]:
+    return {"patches": TensorType("f32", (config.num_rows, config.patch_dim))}
+
+
+def encoder_inputs(pixel_values: npt.NDArray[np.float32], patch_size: int) -> dict[str, npt.NDArray[Any]]:
+    """The encoder's one input for [3, H, W] pixel values: every patch, flattened (`flat_patches`)."""
+    return {"patches": flat_patches(pixel_values, patch_size)}
