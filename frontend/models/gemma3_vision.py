@@ -19,14 +19,8 @@ import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.models.clip_vision import (
-    EncoderLayer,
-    LayerNorm,
-    encoder_layer_weights,
-    flat_patches,
-    linear,
-    tower_tensors,
-)
+from kiln.frontend.models.clip_vision import flat_patches, linear, tower_tensors
+from kiln.frontend.models.siglip import SiglipTower, siglip_weights
 from kiln.frontend.ops import rms_norm
 from kiln.ir import TensorType
 
@@ -89,20 +83,14 @@ class Gemma3VisionConfig:
 class Gemma3VisionProjector(nn.Module):
     def __init__(self, config: Gemma3VisionConfig) -> None:
         super().__init__()
-        self.patch_embedding = nn.Linear(config.patch_dim, config.hidden_size)
-        self.positions = nn.Parameter(torch.zeros(config.num_rows, config.hidden_size))
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
-        self.post_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.tower = SiglipTower(config)
         self.pool = nn.Parameter(torch.zeros(config.tokens_per_image, config.num_rows))
         self.soft_emb_norm = nn.Parameter(torch.ones(config.hidden_size))  # 1 + Gemma's w
         self.projection = nn.Linear(config.hidden_size, config.text_hidden_size, bias=False)
         self.eps = config.layer_norm_eps
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        x = linear(self.patch_embedding, patches) + self.positions
-        for layer in self.layers:
-            x = layer(x, None)
-        x = self.post_layernorm(x)
+        x = self.tower(patches)
         pooled = torch.nn.functional.linear(x.t(), self.pool).t()  # [tokens, hidden]
         return linear(self.projection, rms_norm(pooled, self.soft_emb_norm, eps=self.eps))
 
@@ -124,22 +112,13 @@ def from_gemma3_weights(
     """The encoder's state dict from a Gemma 3 checkpoint's tensors (the SigLIP head, unused, left out)."""
     tower, projector = tower_tensors(weights)
     try:
-        patch = tower["embeddings.patch_embedding.weight"]
-        state = {
-            "patch_embedding.weight": patch.reshape(patch.shape[0], -1),
-            "patch_embedding.bias": tower["embeddings.patch_embedding.bias"],
-            "positions": tower["embeddings.position_embedding.weight"],
-            "post_layernorm.weight": tower["post_layernorm.weight"],
-            "post_layernorm.bias": tower["post_layernorm.bias"],
+        return siglip_weights(config, tower, "tower.") | {
             "pool": pool_matrix(config.grid, config.tokens_per_image),
             "soft_emb_norm": 1.0 + projector["mm_soft_emb_norm.weight"].float(),
             "projection.weight": projector["mm_input_projection_weight"].t().contiguous(),
         }
-        for i in range(config.num_layers):
-            state |= encoder_layer_weights(tower, i)
     except KeyError as missing:
         raise ModelLoadError(f"the Gemma 3 checkpoint lacks {missing.args[0]}") from None
-    return state
 
 
 def input_types(config: Gemma3VisionConfig) -> dict[str, TensorType]:

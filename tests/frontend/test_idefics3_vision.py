@@ -1,0 +1,112 @@
+"""Idefics3's (SmolVLM's) image encoder (SigLIP, pixel shuffle, connector) captured into Kiln IR: the
+interpreter against transformers' Idefics3ForConditionalGeneration, and TVM (CPU) and ONNX Runtime
+against the interpreter, on random weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.frontend.capture import capture_module
+from kiln.frontend.models.idefics3_vision import (
+    Idefics3VisionConfig,
+    Idefics3VisionProjector,
+    encoder_inputs,
+    from_idefics3_weights,
+    input_types,
+)
+from kiln.ir import Program
+from kiln.ir.interpreter import interpret
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_idefics3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        image_size=32,
+        patch_size=4,
+    )
+    text = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=300,
+    )
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=299)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random norms and biases too, so a wrong mapping shows
+        for name, parameter in model.named_parameters():
+            if "vision" in name and ("norm" in name or name.endswith("bias")):
+                parameter.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp("idefics3")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _captured(folder: Path) -> tuple[Idefics3VisionConfig, Program]:
+    config = Idefics3VisionConfig.from_idefics3(json.loads((folder / "config.json").read_text()))
+    module = Idefics3VisionProjector(config)
+    module.load_state_dict(
+        from_idefics3_weights(config, load_file(folder / "model.safetensors")), strict=True
+    )
+    graph = capture_module(module.eval(), input_types(config), "encode_image")
+    state = module.state_dict()
+    return config, Program(graph, {p.name: state[p.name].detach() for p in graph.params})
+
+
+def test_the_captured_encoder_matches_transformers(tiny_idefics3: Path) -> None:
+    from transformers import Idefics3ForConditionalGeneration
+
+    config, program = _captured(tiny_idefics3)
+    reference = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3).eval()
+    pixel_values = torch.randn(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (expected,) = reference.model.get_image_features(pixel_values=pixel_values).pooler_output
+    for image, want in zip(pixel_values[0], expected.split(config.num_tokens), strict=True):
+        (got,) = interpret(program.graph, program.weights, encoder_inputs(image.numpy(), config.patch_size))
+        assert got.shape == (config.num_tokens, 48) == want.shape
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
+def test_the_compiled_encoder_matches_the_interpreter(
+    tiny_idefics3: Path, tmp_path: Path, backend: str
+) -> None:
+    config, program = _captured(tiny_idefics3)
+    if backend == "tvm":
+        from kiln.backends.targets import Target
+        from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
+
+        compile_encoder(program.graph, Target("cpu"), tmp_path)
+        encoder = TVMImageEncoder(tmp_path, program.weights)
+    else:
+        from kiln.backends.onnxruntime.encoder import OrtImageEncoder
+        from kiln.backends.onnxruntime.encoder import compile_encoder as compile_onnx
+
+        compile_onnx(program, tmp_path)
+        encoder = OrtImageEncoder(tmp_path, program.weights)
+    pixels = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(2)).numpy()
+    inputs = encoder_inputs(pixels, config.patch_size)
+    (expected,) = interpret(program.graph, program.weights, inputs)
+    got = encoder.encode(inputs)
+    assert np.allclose(got, expected.numpy(), atol=1e-4, rtol=0), float(np.abs(got - expected.numpy()).max())
