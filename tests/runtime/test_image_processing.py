@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kiln.runtime.image_processing import ImageProcessing, ImageProcessingError
+from kiln.runtime.image_processing import (
+    ImageProcessing,
+    ImageProcessingError,
+    TiledImageProcessing,
+    idefics3_image_text,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,9 +60,45 @@ def test_pixel_values_equal_transformers(processor) -> None:
 
 
 def test_an_unsupported_processor_is_named() -> None:
-    with pytest.raises(ImageProcessingError, match="Idefics3ImageProcessor"):
+    with pytest.raises(ImageProcessingError, match="Idefics3ImageProcessor"):  # a tiled one
         ImageProcessing.from_config({"image_processor_type": "Idefics3ImageProcessor"})
     with pytest.raises(ImageProcessingError, match="pan_and_scan"):
         ImageProcessing.from_config(
             {"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True, "image_mean": [0.5] * 3}
         )
+
+
+@pytest.mark.parametrize("splitting", [True, False])
+def test_idefics3_tiles_equal_transformers(splitting: bool) -> None:
+    from transformers import Idefics3ImageProcessorPil
+
+    processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 96}, max_image_size={"longest_edge": 32}, do_image_splitting=splitting
+    )
+    processing = TiledImageProcessing.from_config(processor.to_dict())
+    rng = np.random.default_rng(1)
+    sizes = [(480, 640), (333, 200), (20, 30), (50, 700), (96, 96)]
+    for height, width in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+        expected = processor(images=[image], return_tensors="np", return_row_col_info=True)
+        tiles, rows, cols = processing.tiles(image)
+        assert (rows, cols) == (expected["rows"][0][0], expected["cols"][0][0]), (height, width)
+        frames = expected["pixel_values"][0]
+        assert len(tiles) == len(frames)
+        for tile, frame in zip(tiles, frames, strict=True):
+            assert np.array_equal(tile, frame), (height, width)
+
+
+def test_idefics3_image_text_equals_the_processor_s() -> None:
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    class Names:  # the processor reads only these of its tokenizer here
+        image_token = "<image>"
+        fake_image_token = "<fake_token_around_image>"
+        global_image_tag = "<global-img>"
+
+    for rows, cols in ((0, 0), (2, 3)):
+        names = Names()
+        names.image_seq_len = 4  # type: ignore[attr-defined]
+        expected = Idefics3Processor.replace_image_token(names, {"rows": [[rows]], "cols": [[cols]]}, 0)  # type: ignore[arg-type]
+        assert idefics3_image_text(rows, cols, 4) == expected
