@@ -118,7 +118,7 @@ def load_gguf(path: Path) -> ModelSource:
     reader = open_gguf(path)
     config = config_from_gguf(reader, where)
     weights = adapt_gguf_weights(config, weights_from_gguf(reader, config, where))
-    name = _field(reader, "general.name") or path.stem
+    name = field_value(reader, "general.name") or path.stem
     return ModelSource(
         name=str(name),
         path=path,
@@ -160,7 +160,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     """A metadata value as a Python value (a list for arrays), or None when the key is absent."""
     field = reader.fields.get(key)
     if field is None or not field.types:
@@ -179,7 +179,7 @@ def _scalar(part: np.ndarray, value_type: gguf.GGUFValueType) -> Any:
 
 
 def _require(reader: gguf.GGUFReader, key: str, where: str) -> Any:
-    value = _field(reader, key)
+    value = field_value(reader, key)
     if value is None:
         raise ModelLoadError(
             f"{where}: GGUF metadata has no {key!r}", hint="the file is incomplete or not a language model"
@@ -196,8 +196,8 @@ def hf_architecture(reader: gguf.GGUFReader, where: str) -> str:
             f"{where}: GGUF architecture {arch!r} is not supported",
             hint=f"supported GGUF architectures: {supported}",
         )
-    name = str(_field(reader, "general.name") or "")
-    if arch == "llama" and _field(reader, "llama.expert_count"):
+    name = str(field_value(reader, "general.name") or "")
+    if arch == "llama" and field_value(reader, "llama.expert_count"):
         return "MixtralForCausalLM"
     if arch == "llama" and "mistral" in name.lower():
         return "MistralForCausalLM"
@@ -207,13 +207,13 @@ def hf_architecture(reader: gguf.GGUFReader, where: str) -> str:
 def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (and the tensor list, for ties and biases)."""
     architecture = hf_architecture(reader, where)
-    arch = str(_field(reader, "general.architecture"))
+    arch = str(field_value(reader, "general.architecture"))
 
     def key(name: str) -> Any:
         return _require(reader, f"{arch}.{name}", where)
 
     def optional(name: str) -> Any:
-        return _field(reader, f"{arch}.{name}")
+        return field_value(reader, f"{arch}.{name}")
 
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -228,7 +228,7 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
 
     family = SUPPORTED_ARCHITECTURES[architecture]
     sliding_window = optional("attention.sliding_window")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=architecture,
         vocab_size=_vocab_size(reader, arch, where),
@@ -257,8 +257,8 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
 
 
 def _gemma3_fields(reader: gguf.GGUFReader, arch: str, layers: int, head_dim: int) -> dict[str, Any]:
-    pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
-    softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    pattern = int(field_value(reader, f"{arch}.attention.sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    softcap = field_value(reader, f"{arch}.final_logit_softcapping")
     return {
         "layer_types": tuple(
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
@@ -270,11 +270,11 @@ def _gemma3_fields(reader: gguf.GGUFReader, arch: str, layers: int, head_dim: in
 
 
 def _moe_fields(reader: gguf.GGUFReader, arch: str, where: str) -> dict[str, Any]:
-    experts = _field(reader, f"{arch}.expert_count")
+    experts = field_value(reader, f"{arch}.expert_count")
     if not experts:
         return {}
-    normalize = _field(reader, f"{arch}.expert_weights_norm")
-    inner = _field(reader, f"{arch}.expert_feed_forward_length")
+    normalize = field_value(reader, f"{arch}.expert_weights_norm")
+    inner = field_value(reader, f"{arch}.expert_feed_forward_length")
     return {
         "num_experts": int(experts),
         "num_experts_per_tok": int(_require(reader, f"{arch}.expert_used_count", where)),
@@ -284,7 +284,7 @@ def _moe_fields(reader: gguf.GGUFReader, arch: str, where: str) -> dict[str, Any
 
 
 def _vocab_size(reader: gguf.GGUFReader, arch: str, where: str) -> int:
-    size = _field(reader, f"{arch}.vocab_size")
+    size = field_value(reader, f"{arch}.vocab_size")
     if size is not None:
         return int(size)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -299,21 +299,22 @@ def _vocab_size(reader: gguf.GGUFReader, arch: str, where: str) -> int:
 def _eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = field_value(reader, f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in ids:
             ids.append(int(value))
     return tuple(ids)
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float, where: str) -> RopeScaling:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(reader, f"{arch}.rope.scale_linear")
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    factor = factor or field_value(reader, f"{arch}.rope.scale_linear")
     tensors = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
         return _longrope(reader, arch, tensors, where)
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
         original = None if original is None else int(original)
         return _llama3_rope_scaling(np.asarray(rope_freqs.data, np.float32), head_dim, theta, original, where)
     if kind == "none" or (kind is None and factor in (None, 1.0)):
@@ -331,7 +332,7 @@ def _longrope(
 ) -> RopeScaling:
     """Phi-3's longrope: the factor tensors llama.cpp's converter writes, and the original context."""
     missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in tensors]
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
     if missing or not original:
         raise ModelLoadError(
             f"{where}: longrope needs both rope factor tensors and "
@@ -339,7 +340,7 @@ def _longrope(
             + (f" (missing {', '.join(missing)})" if missing else ""),
             hint="the file is incomplete; convert the model again with llama.cpp's convert_hf_to_gguf.py",
         )
-    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    attention = field_value(reader, f"{arch}.rope.scaling.attn_factor")
     if attention is None:
         context = int(_require(reader, f"{arch}.context_length", where))
         attention = longrope_attention_factor(context / int(original), int(original))
@@ -444,13 +445,13 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig, where: str) -> str | Non
 
 def weights_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, where: str) -> dict[str, Weight]:
     """Every tensor under its HF name, in torch order, with llama.cpp's Q/K row permutation undone."""
-    permuted = str(_field(reader, "general.architecture")) == "llama"
+    permuted = str(field_value(reader, "general.architecture")) == "llama"
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, config, where)
         if name is None:
             continue
-        weight = _tensor(tensor, where)
+        weight = reader_tensor(tensor, where)
         heads = _permuted_heads(name, config) if permuted else None
         if heads is not None:
             _check_rows(weight, heads * config.head_dim, name, where)
@@ -477,7 +478,7 @@ def _check_rows(weight: Weight, rows: int, name: str, where: str) -> None:
         )
 
 
-def _tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
+def reader_tensor(tensor: gguf.ReaderTensor, where: str) -> Weight:
     """One reader tensor, still in the mapped file: a float one deferred (read when materialized),
     a quantized one as its blocks (read when imported). `tensor.data` is in torch (row-major) order."""
     kind = tensor.tensor_type.name

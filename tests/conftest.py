@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kiln.frontend.config import ModelConfig
+from kiln.frontend.pull import kiln_home
 
 
 def _share_cores_between_workers() -> None:
@@ -525,3 +526,33 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for reason in set_up_failures:
             reporter.write_line(reason, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_source() -> Path:
+    """llama.cpp's source with convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    folder = kiln_home() / "llama.cpp-source"
+    found = sorted(folder.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not found:
+        pytest.skip(
+            f"no llama.cpp source under {folder}: run `bash scripts/llama_cpp_source.sh '' --python-only`"
+        )
+    return found[-1].parent
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_mmproj(llama_cpp_source: Path) -> Callable[[Path, Path], Path]:
+    """A function: the image-encoder GGUF llama.cpp's converter (--mmproj) writes for a HF directory."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "llama_cpp_convert.py"
+
+    def convert(hf: Path, out: Path) -> Path:
+        command = [sys.executable, str(script), str(llama_cpp_source), "gpt-2", str(hf), "--mmproj"]
+        command += ["--outtype", "f32", "--outfile", str(out)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return out
+
+    return convert

@@ -63,6 +63,8 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if "vision" in name or "projector" in name:
                 if "norm" in name or name.endswith("bias") or "projection" in name:
                     parameter.normal_(0, 0.5)
+            if "input_projection" in name:  # llama.cpp's converter stores it as float16: no rounding then
+                parameter.copy_(parameter.half().float())
     folder = tmp_path_factory.mktemp("gemma3")
     model.save_pretrained(folder)
     return folder
@@ -70,16 +72,53 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _captured(folder: Path) -> tuple[Gemma3VisionConfig, Program]:
     config = Gemma3VisionConfig.from_gemma3(json.loads((folder / "config.json").read_text()))
+    return _program(config, load_file(folder / "model.safetensors"))
+
+
+def _program(
+    config: Gemma3VisionConfig, tensors: dict[str, torch.Tensor]
+) -> tuple[Gemma3VisionConfig, Program]:
     module = Gemma3VisionProjector(config)
-    module.load_state_dict(from_gemma3_weights(config, load_file(folder / "model.safetensors")), strict=True)
+    module.load_state_dict(from_gemma3_weights(config, tensors), strict=True)
     graph = capture_module(module.eval(), input_types(config), "encode_image")
     return config, Program(graph, {p.name: module.get_parameter(p.name).detach() for p in graph.params})
 
 
-def test_the_captured_encoder_matches_transformers(tiny_gemma3: Path) -> None:
+def _saved_as_transformers_4(tiny_gemma3: Path, folder: Path) -> Path:
+    """The tiny model as llama.cpp's converter reads it: transformers 4's tensor names, an image
+    processor config with the image's token count."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import Gemma3ImageProcessorPil
+
+    hf = folder / "hf"
+    shutil.copytree(tiny_gemma3, hf)
+    weights = load_file(hf / "model.safetensors")
+    older = {name.replace("vision_tower.", "vision_tower.vision_model.", 1): t for name, t in weights.items()}
+    save_file(older, hf / "model.safetensors", metadata={"format": "pt"})
+    processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).to_dict()
+    (hf / "preprocessor_config.json").write_text(json.dumps(processor | {"image_seq_length": 16}))
+    return hf
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "llama.cpp mmproj"])
+def test_the_captured_encoder_matches_transformers(
+    tiny_gemma3: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
+) -> None:
     from transformers import Gemma3ForConditionalGeneration
 
-    config, program = _captured(tiny_gemma3)
+    if source == "checkpoint":
+        config, program = _captured(tiny_gemma3)
+    else:
+        from kiln.frontend.mmproj import read_mmproj
+
+        convert = request.getfixturevalue("llama_cpp_mmproj")
+        encoder = read_mmproj(
+            convert(_saved_as_transformers_4(tiny_gemma3, tmp_path), tmp_path / "mmproj.gguf")
+        )
+        assert encoder.kind == "gemma3"
+        config, program = _program(Gemma3VisionConfig.from_gemma3(encoder.config), encoder.tensors)
     reference = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3).eval()
     pixel_values = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

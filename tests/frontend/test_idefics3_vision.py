@@ -65,19 +65,36 @@ def tiny_idefics3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _captured(folder: Path) -> tuple[Idefics3VisionConfig, Program]:
     config = Idefics3VisionConfig.from_idefics3(json.loads((folder / "config.json").read_text()))
+    return _program(config, load_file(folder / "model.safetensors"))
+
+
+def _program(
+    config: Idefics3VisionConfig, tensors: dict[str, torch.Tensor]
+) -> tuple[Idefics3VisionConfig, Program]:
     module = Idefics3VisionProjector(config)
-    module.load_state_dict(
-        from_idefics3_weights(config, load_file(folder / "model.safetensors")), strict=True
-    )
+    module.load_state_dict(from_idefics3_weights(config, tensors), strict=True)
     graph = capture_module(module.eval(), input_types(config), "encode_image")
     state = module.state_dict()
     return config, Program(graph, {p.name: state[p.name].detach() for p in graph.params})
 
 
-def test_the_captured_encoder_matches_transformers(tiny_idefics3: Path) -> None:
-    from transformers import Idefics3ForConditionalGeneration
+@pytest.mark.parametrize("source", ["checkpoint", "llama.cpp mmproj"])
+def test_the_captured_encoder_matches_transformers(
+    tiny_idefics3: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
+) -> None:
+    from transformers import Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
 
-    config, program = _captured(tiny_idefics3)
+    if source == "checkpoint":
+        config, program = _captured(tiny_idefics3)
+    else:
+        from kiln.frontend.mmproj import read_mmproj
+
+        processor = Idefics3ImageProcessorPil(size={"longest_edge": 96}, max_image_size={"longest_edge": 32})
+        processor.save_pretrained(tiny_idefics3)  # the converter reads the image processor's settings
+        convert = request.getfixturevalue("llama_cpp_mmproj")
+        encoder = read_mmproj(convert(tiny_idefics3, tmp_path / "mmproj.gguf"))
+        assert encoder.kind == "idefics3"
+        config, program = _program(Idefics3VisionConfig.from_idefics3(encoder.config), encoder.tensors)
     reference = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3).eval()
     pixel_values = torch.randn(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -66,18 +66,6 @@ EXPRESSIBLE: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="session")
-def llama_cpp_source() -> Path:
-    """llama.cpp's source with convert_hf_to_gguf.py, conversion/ and gguf-py/."""
-    folder = kiln_home() / "llama.cpp-source"
-    found = sorted(folder.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
-    if not found:
-        pytest.skip(
-            f"no llama.cpp source under {folder}: run `bash scripts/llama_cpp_source.sh '' --python-only`"
-        )
-    return found[-1].parent
-
-
 def save_byte_level_tokenizer(folder: Path) -> None:
     """A GPT-2 style tokenizer (the converter's BPE path for every family): each byte a token, 63 merges."""
     alphabet = _byte_alphabet()
