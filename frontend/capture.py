@@ -23,6 +23,7 @@ from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
 from kiln.frontend.ops import WRAPPED_OPS
 from kiln.ir import (
+    IMAGE_ROWS_INPUT,
     KV_CACHE_INPUT,
     STEP_INPUT_TYPES,
     Graph,
@@ -246,7 +247,8 @@ def capture_module(module: nn.Module, input_types: dict[str, TensorType], name: 
 def step_input_types(config: ModelConfig) -> dict[str, TensorType]:
     """The step contract's inputs, with the KV cache shaped for `config`."""
     cache = kv_cache_type(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache}
+    image_rows = {IMAGE_ROWS_INPUT: TensorType("f32", ("E", config.hidden_size))} if config.image_rows else {}
+    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache, **image_rows}
 
 
 def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:

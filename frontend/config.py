@@ -82,6 +82,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the step takes image rows: token ids >= vocab_size stand for rows of its `image_rows` input
+    image_rows: bool = False
 
     @property
     def family(self) -> str:

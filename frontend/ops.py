@@ -53,6 +53,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return get_op("gelu_tanh").reference(x)
 
 
+def embedding_with_rows(weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return get_op("embedding_with_rows").reference(weight, ids, rows)
+
+
 def gelu(x: torch.Tensor) -> torch.Tensor:
     return get_op("gelu").reference(x)
 
@@ -98,6 +102,7 @@ WRAPPED_OPS = {
     paged_attention: "paged_attention",
     gelu_tanh: "gelu_tanh",
     gelu: "gelu",
+    embedding_with_rows: "embedding_with_rows",
     quick_gelu: "quick_gelu",
     layer_norm: "layer_norm",
     attention: "attention",

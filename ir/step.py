@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +25,9 @@ STEP_INPUT_TYPES: dict[str, TensorType] = {
     "logits_indices": TensorType("i64", ("L",)),
 }
 KV_CACHE_INPUT = "kv_cache"
+# A vision-language model's step also takes image_rows [E, hidden] (float32): a token id of V + e (V the
+# vocabulary size) stands for row e, an image's embedding placed where its placeholder token was.
+IMAGE_ROWS_INPUT = "image_rows"
 IndexArray = npt.NDArray[np.int64]
 Logits = npt.NDArray[np.float32]  # [rows, vocab] on the host: what a step returns, what the sampler reads
 
@@ -44,9 +48,11 @@ class StepInputs:
     seq_lens: IndexArray
     query_start_loc: IndexArray
     logits_indices: IndexArray
+    image_rows: npt.NDArray[np.float32] | None = None  # a vision-language model's (IMAGE_ROWS_INPUT)
 
-    def as_dict(self) -> dict[str, IndexArray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def as_dict(self) -> dict[str, npt.NDArray[Any]]:
+        """The step's inputs by name (image_rows only where there are some)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,26 @@ class SequenceSlice:
     """The tokens one sequence computes in a step, after `num_cached` tokens already in its blocks.
 
     `logits_at` lists which of these tokens yield a logits row (offsets into `token_ids`, -1 = last);
-    empty for a chunk of a prefill that is not finished yet.
+    empty for a chunk of a prefill that is not finished yet. `image_rows` [k, hidden]: the embeddings of
+    the slice's image tokens, at offsets `image_at` (their token ids are then placeholders).
     """
 
     token_ids: Sequence[int]
     num_cached: int
     block_table: Sequence[int]
     logits_at: Sequence[int] = (-1,)
+    image_at: Sequence[int] = ()
+    image_rows: npt.NDArray[np.float32] | None = None
 
 
-def build_step_inputs(slices: Sequence[SequenceSlice], block_size: int) -> StepInputs:
+def build_step_inputs(
+    slices: Sequence[SequenceSlice], block_size: int, vocab_size: int | None = None
+) -> StepInputs:
+    """`vocab_size`: where a vision-language model's image rows are numbered from (IMAGE_ROWS_INPUT),
+    needed where a slice has image tokens; a step without any has no image_rows."""
     token_ids: list[int] = []
+    image_rows: list[npt.NDArray[np.float32]] = []
+    num_image_rows = 0
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
@@ -76,11 +91,19 @@ def build_step_inputs(slices: Sequence[SequenceSlice], block_size: int) -> StepI
             raise ValueError(f"block table of {len(piece.block_table)} blocks cannot hold {seq_len} tokens")
         if not piece.token_ids:
             raise ValueError("a sequence slice must compute at least one token")
+        first_row = len(token_ids)
         for offset, token in enumerate(piece.token_ids):
             position = piece.num_cached + offset
             token_ids.append(token)
             positions.append(position)
             slots.append(piece.block_table[position // block_size] * block_size + position % block_size)
+        if piece.image_at:
+            if vocab_size is None or piece.image_rows is None or len(piece.image_rows) != len(piece.image_at):
+                raise ValueError("image tokens need their rows, one each, and the vocabulary size")
+            for k, offset in enumerate(piece.image_at):
+                token_ids[first_row + offset] = vocab_size + num_image_rows + k
+            image_rows.append(piece.image_rows)
+            num_image_rows += len(piece.image_at)
         logits_indices += [query_start_loc[-1] + (i % len(piece.token_ids)) for i in piece.logits_at]
         seq_lens.append(seq_len)
         query_start_loc.append(len(token_ids))
@@ -98,4 +121,5 @@ def build_step_inputs(slices: Sequence[SequenceSlice], block_size: int) -> StepI
         seq_lens=tensor(seq_lens),
         query_start_loc=tensor(query_start_loc),
         logits_indices=tensor(logits_indices),
+        image_rows=np.concatenate(image_rows).astype(np.float32, copy=False) if image_rows else None,
     )

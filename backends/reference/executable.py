@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln.backends.base import KVCacheSpec, Logits
-from kiln.ir import KV_CACHE_INPUT, Graph, StepInputs, verify
+from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, Graph, StepInputs, verify
 from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
 
@@ -20,8 +20,12 @@ class ReferenceExecutable:
         self.weights = {name: materialize(weight) for name, weight in weights.items()}
         self.kv_cache_spec = KVCacheSpec.of_graph(graph)
         self._last_uses = last_uses(graph)
+        widths = [int(v.type.shape[1]) for v in graph.inputs if v.name == IMAGE_ROWS_INPUT]
+        self._image_rows = widths[0] if widths else None  # a vision-language model's hidden size
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         given = {**inputs.as_dict(), KV_CACHE_INPUT: kv_cache}
+        if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
+            given[IMAGE_ROWS_INPUT] = torch.zeros(0, self._image_rows, dtype=torch.float32)
         (logits,) = interpret(self.graph, self.weights, given, self._last_uses)
         return logits.to(torch.float32).numpy()

@@ -7,9 +7,10 @@ from typing import Any
 
 from torch import nn
 
+from kiln.errors import ModelLoadError
 from kiln.frontend.config import ModelConfig, check_architecture
 from kiln.frontend.models import gemma3, moe, phi3
-from kiln.frontend.models.llama import LlamaForCausalLM
+from kiln.frontend.models.llama import LlamaForCausalLM, LlamaWithImageRows
 
 _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -35,7 +36,12 @@ _HF_WEIGHT_ADAPTERS: dict[str, Callable[[ModelConfig, dict[str, Any]], dict[str,
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
     check_architecture(config.architecture, "model config")
-    return _FAMILIES[config.family]
+    family = _FAMILIES[config.family]
+    if config.image_rows:
+        if family is not LlamaForCausalLM:
+            raise ModelLoadError(f"{config.architecture}: image rows are supported for the Llama family only")
+        return LlamaWithImageRows
+    return family
 
 
 def adapt_hf_weights(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.frontend.config import ModelConfig, RopeScaling
 from kiln.frontend.models.moe import SparseMoeBlock
-from kiln.frontend.ops import paged_attention, rms_norm, rope, scale, softcap
+from kiln.frontend.ops import embedding_with_rows, paged_attention, rms_norm, rope, scale, softcap
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +196,22 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = F.embedding(token_ids, self.model.embed_tokens.weight)
+        return self.decode(
+            h, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices, kv_cache
+        )
+
+    def decode(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step from the token embeddings on."""
         if self.scales_embeddings:
             h = scale(h, factor=self.config.hidden_size**0.5)
         for layer in self.model.layers:
@@ -207,3 +223,25 @@ class LlamaForCausalLM(nn.Module):
         if self.config.final_logit_softcapping:  # after the rows are taken: fewer values to cap
             logits = softcap(logits, cap=self.config.final_logit_softcapping)
         return logits
+
+
+class LlamaWithImageRows(LlamaForCausalLM):
+    """The step of a vision-language model's text model: one more input, `image_rows` [E, hidden], whose
+    row e a token id of vocab_size + e stands for (an image's embeddings, placed by the runtime)."""
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+        image_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        h = embedding_with_rows(self.model.embed_tokens.weight, token_ids, image_rows)
+        return self.decode(
+            h, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices, kv_cache
+        )

@@ -156,6 +156,38 @@ register(
 )
 
 
+def _infer_embedding_with_rows(
+    inputs: Sequence[TensorType | None], attrs: dict[str, Any]
+) -> list[TensorType]:
+    (out,) = _infer_embedding(inputs[:2], attrs)
+    weight, rows = required(inputs[0], "weight"), required(inputs[2], "rows")
+    require(
+        rows.rank == 2 and rows.shape[1] == weight.shape[1] and rows.dtype == weight.dtype,
+        f"rows {rows.text()} must be [E, {weight.shape[1]}] {weight.dtype}",
+    )
+    return [out]
+
+
+def embedding_with_rows(weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    vocab = weight.shape[0]
+    out = F.embedding(ids.clamp(max=vocab - 1), weight)
+    extra = ids >= vocab
+    out[extra] = rows[ids[extra] - vocab]
+    return out
+
+
+register(
+    OpDef(
+        "embedding_with_rows",
+        (3, 3),
+        {},
+        _infer_embedding_with_rows,
+        embedding_with_rows,
+        doc="rows of weight[V, H] at ids, and rows[id - V] for ids >= V (an image's embeddings)",
+    )
+)
+
+
 def _infer_take_rows(inputs: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
     x, idx = required(inputs[0], "x"), required(inputs[1], "indices")
     require(idx.rank == 1 and idx.dtype in ("i32", "i64"), f"indices must be 1-D ints, got {idx.text()}")

@@ -71,3 +71,52 @@ def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str
     with torch.no_grad():
         expected = reference(input_ids=torch.tensor([tokens])).logits[0]
     assert torch.allclose(logits, expected, atol=1e-4, rtol=0), float((logits - expected).abs().max())
+
+
+def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path) -> None:
+    """The text model's step with image rows (ir/step.py IMAGE_ROWS_INPUT) fed by the captured encoder:
+    LLaVA's logits for a prompt with an image, the image's tokens cut across two chunked-prefill steps."""
+    import dataclasses
+    import json
+
+    from kiln.frontend.capture import capture_module
+    from kiln.frontend.models.clip_vision import (
+        ClipVisionConfig,
+        ClipVisionProjector,
+        encoder_inputs,
+        from_llava_weights,
+        input_types,
+    )
+    from kiln.ir.interpreter import interpret
+
+    reference = _save_tiny_llava(tmp_path)
+    vision = ClipVisionConfig.from_llava(json.loads((tmp_path / "config.json").read_text()))
+    encoder = ClipVisionProjector(vision)
+    encoder.load_state_dict(
+        from_llava_weights(vision, load_file(tmp_path / "model.safetensors")), strict=True
+    )
+    encoder_graph = capture_module(encoder.eval(), input_types(vision), "encode_image")
+    encoder_weights = {p.name: encoder.get_parameter(p.name).detach() for p in encoder_graph.params}
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(7))
+    (rows,) = interpret(encoder_graph, encoder_weights, encoder_inputs(pixels[0].numpy(), vision.patch_size))
+    image = rows[1 : vision.num_rows].numpy()  # the default strategy drops the class token's row
+
+    source = load_model(str(tmp_path))
+    config = dataclasses.replace(source.config, image_rows=True)
+    captured = capture_weights(config, source.float_weights())
+    executable = ReferenceExecutable(captured.graph, captured.weights)
+    tokens = [5, 6, 7, *[299] * vision.num_image_tokens, 8, 9]
+    image_at = list(range(3, 3 + vision.num_image_tokens))
+    cut = 10  # the first step ends inside the image
+    cache = executable.kv_cache_spec.allocate(3, 16)
+    logits = []
+    for start, end in ((0, cut), (cut, len(tokens))):
+        at = [p - start for p in image_at if start <= p < end]
+        taken = [i for i, p in enumerate(image_at) if start <= p < end]
+        piece = SequenceSlice(tokens[start:end], start, [1, 2], range(end - start), at, image[taken])
+        inputs = build_step_inputs([piece], 16, vocab_size=config.vocab_size)
+        logits.append(torch.from_numpy(executable.step(inputs, cache)))
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
+    got = torch.cat(logits)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
