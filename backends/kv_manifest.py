@@ -1,4 +1,5 @@
-"""The KV cache's entry in a backend's manifest (`kv_cache` in step.json, onnx.json): written at compile,
+"""The KV cache's entry in a backend's manifest (`kv_cache` in step.json, onnx.json), and the width of a
+vision-language model's image rows input (`image_rows`): written at compile,
 read back at load."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.backends.base import KVCacheSpec
-from kiln.ir import Graph
+from kiln.ir import IMAGE_ROWS_INPUT, Graph
 
 
 def kv_cache_fields(graph: Graph) -> dict[str, Any]:
@@ -29,3 +30,9 @@ def kv_cache_spec(fields: Mapping[str, Any]) -> KVCacheSpec:
         int(fields["head_dim"]),
         str(fields["dtype"]),
     )
+
+
+def image_rows_width(graph: Graph) -> int | None:
+    """The hidden size of `graph`'s image rows input (a vision-language model's step), None without one."""
+    widths = [int(v.type.shape[1]) for v in graph.inputs if v.name == IMAGE_ROWS_INPUT]
+    return widths[0] if widths else None

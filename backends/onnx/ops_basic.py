@@ -106,6 +106,23 @@ def _embedding(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     return "onnx Gather"
 
 
+@rule("embedding_with_rows")
+def _embedding_with_rows(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
+    """Rows of the table at ids < V, of the image rows at ids >= V (id - V); a zero row after the image
+    rows keeps every gather in range when a step has none."""
+    weight_value = node.inputs[0]
+    assert weight_value is not None
+    vocab, hidden = (int(d) for d in weight_value.type.shape)
+    weight, ids, rows = (input_name(ctx, node, i) for i in range(3))
+    in_vocab = ctx.b.op("Gather", weight, ctx.b.op("Min", ids, ctx.b.const(vocab - 1)), axis=0)
+    padded = ctx.b.op("Concat", rows, ctx.b.const(np.zeros((1, hidden)), np.float32), axis=0)
+    extra_index = ctx.b.op("Max", ctx.b.op("Sub", ids, ctx.b.const(vocab)), ctx.b.const(0))
+    extra = ctx.b.op("Gather", padded, extra_index, axis=0)
+    is_extra = ctx.b.op("Unsqueeze", ctx.b.op("GreaterOrEqual", ids, ctx.b.const(vocab)), ctx.b.const([1]))
+    ctx.b.node("Where", [is_extra, extra, in_vocab], outputs)
+    return "onnx Gather, Where"
+
+
 @rule("take_rows")
 def _take_rows(ctx: LoweringContext, node: Node, outputs: list[str]) -> str:
     ctx.b.node("Gather", [input_name(ctx, node, 0), input_name(ctx, node, 1)], outputs, axis=0)

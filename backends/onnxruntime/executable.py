@@ -12,7 +12,7 @@ import torch
 
 from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits
 from kiln.backends.onnx import WeightBinding, materialize
-from kiln.ir import KV_CACHE_INPUT, StepInputs
+from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, StepInputs
 from kiln.ir.host_arrays import as_torch
 
 _NUMPY = {
@@ -84,6 +84,9 @@ class OnnxRuntimeExecutable:
             raise BackendError(f"the logits output {self._logits_name} has no fixed vocabulary size")
         self._vocab = vocab
         self._logits_dtype = torch.float16 if "float16" in outputs[self._logits_name].type else torch.float32
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        image_rows = inputs.get(IMAGE_ROWS_INPUT)
+        self._image_rows = int(image_rows.shape[1]) if image_rows is not None else None  # its hidden size
 
     @staticmethod
     def _bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
@@ -103,6 +106,8 @@ class OnnxRuntimeExecutable:
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()
         given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in inputs.as_dict().items()}
+        if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
+            given[IMAGE_ROWS_INPUT] = torch.zeros((0, self._image_rows), device=kv_cache.device)
         for name, tensor in given.items():
             self._bind_input(binding, name, tensor)
         self._bind_input(binding, KV_CACHE_INPUT, kv_cache)

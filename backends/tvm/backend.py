@@ -24,7 +24,7 @@ from kiln.backends.base import (
     integer_dot_refusal,
     leave_cores_to_compiled_code,
 )
-from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
+from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, set_threads, tvm_version
@@ -138,6 +138,7 @@ class TVMBackend:
             "params": [spec.to_dict() for spec in lowered.params],
             "functions": lowered.functions,
             "kv_cache": kv_cache_fields(program.graph),
+            "image_rows": image_rows_width(program.graph),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
         from kiln.backends.tvm.layouts import stored_weights
@@ -190,6 +191,7 @@ class TVMBackend:
             description["device"],
             description.get("functions", ["step"]),
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
+            image_rows=description.get("image_rows"),
         )
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:

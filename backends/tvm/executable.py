@@ -195,7 +195,10 @@ class TVMExecutable:
         device: str = "cpu",
         functions: list[str] | None = None,
         cuda_graphs: bool = False,
+        image_rows: int | None = None,
     ) -> None:
+        """`image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
+        IMAGE_ROWS_INPUT), None for a text model."""
         if device == "cuda":
             import torch  # noqa: F401  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
 
@@ -218,6 +221,11 @@ class TVMExecutable:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
         self._host_buffers = HostStepBuffers()
+        if image_rows is not None and device != "cpu":
+            raise BackendError("tvm: image rows on a GPU are not supported yet; compile for a CPU target")
+        self._no_image_rows = (
+            None if image_rows is None else _aligned_empty((0, image_rows), np.dtype(np.float32))
+        )
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
         self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
@@ -292,14 +300,19 @@ class TVMExecutable:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
         return self.staging.upload(arrays)
 
-    def call(self, tensors: list[Any], kv_cache: KVCache) -> Any:
-        """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads."""
+    def call(self, tensors: list[Any], kv_cache: KVCache, image_rows: Any = None) -> Any:
+        """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads;
+        `image_rows` for a vision-language model (none given: an empty one)."""
         ffi = self.ffi
         *inputs, row_counts = tensors
         if self._cache_arg is None or self._cache_arg[0] is not kv_cache:
             self._cache_arg = (kv_cache, self._tvm_tensor(kv_cache))
         packed = [ffi.from_dlpack(a) for a in inputs]
-        packed += [self._cache_arg[1], ffi.from_dlpack(row_counts)]
+        packed.append(self._cache_arg[1])
+        if self._no_image_rows is not None:
+            rows = self._no_image_rows if image_rows is None else host_aligned(image_rows)
+            packed.append(ffi.from_dlpack(rows))
+        packed.append(ffi.from_dlpack(row_counts))
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         return function(*packed, *self._weight_args)
@@ -326,7 +339,8 @@ class TVMExecutable:
                     return replayed.to("cpu", torch.float32).numpy()
             logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache))
             return logits[:num_logits].to("cpu", torch.float32).numpy()
-        logits = np.from_dlpack(self.call(self._host_buffers.tensors(inputs), kv_cache))[:num_logits]
+        tensors = self._host_buffers.tensors(inputs)
+        logits = np.from_dlpack(self.call(tensors, kv_cache, inputs.image_rows))[:num_logits]
         return logits.astype(np.float32, copy=False)
 
 

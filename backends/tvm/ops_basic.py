@@ -81,6 +81,22 @@ def _embedding(lw: Lowerer, node: Node) -> list[relax.Expr]:
     return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0, mode="clip"))]
 
 
+@lowering("embedding_with_rows")
+def _embedding_with_rows(lw: Lowerer, node: Node) -> list[relax.Expr]:
+    """Rows of the table at ids < V, of the image rows at ids >= V (id - V); a zero row after the image
+    rows keeps every take in range when a step has none."""
+    weight_value = node.inputs[0]
+    assert weight_value is not None
+    vocab, hidden = (int(d) for d in weight_value.type.shape)
+    dtype = TVM_DTYPES[weight_value.type.dtype]
+    weight, ids, rows = (lw.value(v) for v in node.inputs)
+    in_vocab = relax.op.take(weight, ids, axis=0, mode="clip")
+    padded = relax.op.concat([rows, relax.op.zeros(relax.ShapeExpr([1, hidden]), dtype)], axis=0)
+    extra = relax.op.take(padded, relax.op.subtract(ids, relax.const(vocab, "int64")), axis=0, mode="clip")
+    is_extra = relax.op.expand_dims(relax.op.greater_equal(ids, relax.const(vocab, "int64")), -1)
+    return [lw.emit(relax.op.where(is_extra, extra, in_vocab))]
+
+
 @lowering("take_rows")
 def _take_rows(lw: Lowerer, node: Node) -> list[relax.Expr]:
     return [lw.emit(relax.op.take(lw.value(node.inputs[0]), lw.value(node.inputs[1]), axis=0, mode="clip"))]

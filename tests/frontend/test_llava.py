@@ -73,9 +73,11 @@ def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str
     assert torch.allclose(logits, expected, atol=1e-4, rtol=0), float((logits - expected).abs().max())
 
 
-def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["reference", "onnxruntime", "tvm"])
+def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path, backend: str) -> None:
     """The text model's step with image rows (ir/step.py IMAGE_ROWS_INPUT) fed by the captured encoder:
-    LLaVA's logits for a prompt with an image, the image's tokens cut across two chunked-prefill steps."""
+    LLaVA's logits for a prompt with an image, the image's tokens cut across two chunked-prefill steps,
+    then a step without an image."""
     import dataclasses
     import json
 
@@ -105,10 +107,21 @@ def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path) -> None
     config = dataclasses.replace(source.config, image_rows=True)
     captured = capture_weights(config, source.float_weights())
     executable = ReferenceExecutable(captured.graph, captured.weights)
+    if backend != "reference":
+        from kiln.backends.base import CompileSettings
+        from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
+        from kiln.backends.targets import Target
+        from kiln.backends.tvm.backend import TVMBackend
+        from kiln.ir import Program
+
+        program = Program(captured.graph, captured.weights)
+        compiler = OnnxRuntimeBackend() if backend == "onnxruntime" else TVMBackend()
+        compiler.compile(program, Target("cpu"), tmp_path / backend, CompileSettings(num_threads=2))
+        executable = compiler.load(tmp_path / backend, program.weights, Target("cpu"))
     tokens = [5, 6, 7, *[299] * vision.num_image_tokens, 8, 9]
     image_at = list(range(3, 3 + vision.num_image_tokens))
     cut = 10  # the first step ends inside the image
-    cache = executable.kv_cache_spec.allocate(3, 16)
+    cache = executable.kv_cache_spec.allocate(3, 16)  # 64-byte aligned, as TVM's kernels want
     logits = []
     for start, end in ((0, cut), (cut, len(tokens))):
         at = [p - start for p in image_at if start <= p < end]
@@ -120,3 +133,8 @@ def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path) -> None
         expected = reference(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
     got = torch.cat(logits)
     assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    after = build_step_inputs([SequenceSlice([10], len(tokens), [1, 2])], 16, vocab_size=config.vocab_size)
+    with torch.no_grad():
+        expected_next = reference(input_ids=torch.tensor([[*tokens, 10]]), pixel_values=pixels).logits[0, -1]
+    next_logits = torch.from_numpy(executable.step(after, cache))[0]  # no image rows in this step
+    assert torch.allclose(next_logits, expected_next, atol=1e-4, rtol=0)
