@@ -556,3 +556,104 @@ def llama_cpp_mmproj(llama_cpp_source: Path) -> Callable[[Path, Path], Path]:
         return out
 
     return convert
+
+
+def save_tiny_llava(
+    folder: Path, *, strategy: str = "default", feature_layer: int = -2, with_tokenizer: bool = False
+) -> Any:
+    """A random-weight LlavaForConditionalGeneration (CLIP 28 x 28 in 7 x 7 patches, a 2-layer Llama of
+    300 tokens, image token 299) saved at `folder`, norms, biases and embeddings random too so that a
+    wrong mapping shows; returns the model."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=3,
+        image_size=28,
+        patch_size=7,
+    )
+    text = transformers.LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=300,
+        eos_token_id=2,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=299,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=feature_layer,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "embedding" in name:
+                parameter.normal_(0, 0.5 if "bias" in name or "embedding" in name else 1.0)
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 300)}}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(
+            folder
+        )
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llava() -> Callable[..., Any]:
+    return save_tiny_llava
+
+
+def llava_encoder_program(folder: Path) -> tuple[Any, Any]:
+    """(ClipVisionConfig, Program) of the LLaVA checkpoint at `folder`'s image encoder, captured."""
+    from safetensors.torch import load_file
+
+    from kiln.frontend.capture import capture_module
+    from kiln.frontend.models.clip_vision import (
+        ClipVisionConfig,
+        ClipVisionProjector,
+        from_llava_weights,
+        input_types,
+    )
+    from kiln.ir import Program
+
+    config = ClipVisionConfig.from_llava(json.loads((folder / "config.json").read_text()))
+    module = ClipVisionProjector(config)
+    module.load_state_dict(from_llava_weights(config, load_file(folder / "model.safetensors")), strict=True)
+    graph = capture_module(module.eval(), input_types(config), "encode_image")
+    return config, Program(graph, {p.name: module.get_parameter(p.name).detach() for p in graph.params})
+
+
+@pytest.fixture(scope="session")
+def llava_encoder() -> Callable[[Path], tuple[Any, Any]]:
+    return llava_encoder_program
+
+
+@pytest.fixture(scope="session")
+def compile_image_encoder() -> Callable[[Any, str, Path], Any]:
+    """A function: the encoder `program` compiled at `folder` by "tvm" (CPU) or "onnxruntime", ready to
+    `encode(inputs)`."""
+
+    def compile_encoder(program: Any, backend: str, folder: Path) -> Any:
+        if backend == "tvm":
+            from kiln.backends.targets import Target
+            from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
+
+            compile_encoder(program.graph, Target("cpu"), folder)
+            return TVMImageEncoder(folder, program.weights)
+        from kiln.backends.onnxruntime.encoder import OrtImageEncoder
+        from kiln.backends.onnxruntime.encoder import compile_encoder as compile_onnx
+
+        compile_onnx(program, folder)
+        return OrtImageEncoder(folder, program.weights)
+
+    return compile_encoder

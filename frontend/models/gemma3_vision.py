@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.frontend.models.clip_vision import flat_patches, linear, tower_tensors
-from kiln.frontend.models.siglip import SiglipTower, siglip_weights
+from kiln.frontend.models.siglip import SiglipConfig, SiglipTower, siglip_weights
 from kiln.frontend.ops import rms_norm
 from kiln.ir import TensorType
 
@@ -28,34 +28,14 @@ ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
 
 @dataclass(frozen=True)
-class Gemma3VisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_layers: int
-    image_size: int
-    patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
-    text_hidden_size: int
+class Gemma3VisionConfig(SiglipConfig):
     tokens_per_image: int
 
     @classmethod
     def from_gemma3(cls, config: dict[str, Any]) -> Gemma3VisionConfig:
         """From a Gemma3ForConditionalGeneration config.json."""
-        vision, text = config["vision_config"], config.get("text_config") or {}
-        made = cls(
-            hidden_size=int(vision["hidden_size"]),
-            intermediate_size=int(vision["intermediate_size"]),
-            num_attention_heads=int(vision["num_attention_heads"]),
-            num_layers=int(vision["num_hidden_layers"]),
-            image_size=int(vision["image_size"]),
-            patch_size=int(vision["patch_size"]),
-            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            text_hidden_size=int(text.get("hidden_size", 2560)),
-            tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
-        )
+        fields = SiglipConfig.fields_of(config, text_width=2560)
+        made = cls(**fields, tokens_per_image=int(config.get("mm_tokens_per_image", 256)))
         side = round(made.tokens_per_image**0.5)
         if side * side != made.tokens_per_image or made.grid % side:
             raise ModelLoadError(
@@ -66,18 +46,6 @@ class Gemma3VisionConfig:
                 f"a {made.grid} x {made.grid} grid of width {made.hidden_size}: not in rows of 4"
             )
         return made
-
-    @property
-    def grid(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_rows(self) -> int:
-        return self.grid * self.grid
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size * self.patch_size
 
 
 class Gemma3VisionProjector(nn.Module):

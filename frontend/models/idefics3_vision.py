@@ -19,58 +19,26 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.frontend.models.clip_vision import flat_patches, linear, tower_tensors
-from kiln.frontend.models.siglip import SiglipTower, siglip_weights
+from kiln.frontend.models.siglip import SiglipConfig, SiglipTower, siglip_weights
 from kiln.ir import TensorType
 
 ARCHITECTURE = "Idefics3ForConditionalGeneration"
 
 
 @dataclass(frozen=True)
-class Idefics3VisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_layers: int
-    image_size: int  # a tile's side
-    patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
-    text_hidden_size: int
+class Idefics3VisionConfig(SiglipConfig):
     scale_factor: int
 
     @classmethod
     def from_idefics3(cls, config: dict[str, Any]) -> Idefics3VisionConfig:
         """From an Idefics3ForConditionalGeneration config.json."""
-        vision, text = config["vision_config"], config.get("text_config") or {}
-        made = cls(
-            hidden_size=int(vision["hidden_size"]),
-            intermediate_size=int(vision["intermediate_size"]),
-            num_attention_heads=int(vision["num_attention_heads"]),
-            num_layers=int(vision["num_hidden_layers"]),
-            image_size=int(vision["image_size"]),
-            patch_size=int(vision["patch_size"]),
-            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            text_hidden_size=int(text.get("hidden_size", 576)),
-            scale_factor=int(config.get("scale_factor", 2)),
-        )
+        fields = SiglipConfig.fields_of(config, text_width=576)
+        made = cls(**fields, scale_factor=int(config.get("scale_factor", 2)))
         if made.grid % made.scale_factor or made.num_tokens % 4 or made.num_rows % 4:
             raise ModelLoadError(
                 f"a {made.grid} x {made.grid} patch grid with scale_factor {made.scale_factor}: not supported"
             )
         return made
-
-    @property
-    def grid(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_rows(self) -> int:
-        return self.grid * self.grid
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size * self.patch_size
 
     @property
     def num_tokens(self) -> int:  # a tile's image tokens

@@ -4,37 +4,64 @@ of clip_vision.py and the post-norm."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from kiln.frontend.models.clip_vision import (
-    EncoderLayer,
-    LayerConfig,
-    LayerNorm,
-    encoder_layer_weights,
-    linear,
-)
+from kiln.frontend.models.clip_vision import EncoderLayer, LayerNorm, encoder_layer_weights, linear
 
 
-class VitConfig(LayerConfig, Protocol):
-    """What a SiglipTower needs of its model's config."""
+@dataclass(frozen=True)
+class SiglipConfig:
+    """A SigLIP tower's settings and the text model's width its projector maps into; each family's
+    config adds its projector's own (Gemma 3, Idefics3)."""
 
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
     num_layers: int
+    image_size: int  # an image's (or a tile's) side
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    text_hidden_size: int
+
+    @staticmethod
+    def fields_of(config: dict[str, Any], text_width: int) -> dict[str, Any]:
+        """The base fields from a vision-language config.json (`vision_config`, `text_config`)."""
+        vision, text = config["vision_config"], config.get("text_config") or {}
+        return {
+            "hidden_size": int(vision["hidden_size"]),
+            "intermediate_size": int(vision["intermediate_size"]),
+            "num_attention_heads": int(vision["num_attention_heads"]),
+            "num_layers": int(vision["num_hidden_layers"]),
+            "image_size": int(vision["image_size"]),
+            "patch_size": int(vision["patch_size"]),
+            "layer_norm_eps": float(vision.get("layer_norm_eps", 1e-6)),
+            "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh"),
+            "text_hidden_size": int(text.get("hidden_size", text_width)),
+        }
 
     @property
-    def patch_dim(self) -> int: ...
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
 
     @property
-    def num_rows(self) -> int: ...
+    def num_rows(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
 
 
 class SiglipTower(nn.Module):
     """SigLIP's ViT over one image's patches (no class token, no padding): patch embedding with bias,
     positions, the layers, the post-norm. Gemma 3 and Idefics3 take its last hidden state."""
 
-    def __init__(self, config: VitConfig) -> None:
+    def __init__(self, config: SiglipConfig) -> None:
         super().__init__()
         self.patch_embedding = nn.Linear(config.patch_dim, config.hidden_size)
         self.positions = nn.Parameter(torch.zeros(config.num_rows, config.hidden_size))
@@ -48,7 +75,9 @@ class SiglipTower(nn.Module):
         return self.post_layernorm(x)
 
 
-def siglip_weights(config: VitConfig, tower: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def siglip_weights(
+    config: SiglipConfig, tower: dict[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
     """A SiglipTower's state dict (its names under `prefix`) from the tower's HF tensors."""
     patch = tower["embeddings.patch_embedding.weight"]
     state = {

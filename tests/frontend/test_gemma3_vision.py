@@ -131,21 +131,10 @@ def test_the_captured_encoder_matches_transformers(
 
 @pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
 def test_the_compiled_encoder_matches_the_interpreter(
-    tiny_gemma3: Path, tmp_path: Path, backend: str
+    tiny_gemma3: Path, tmp_path: Path, backend: str, compile_image_encoder
 ) -> None:
     config, program = _captured(tiny_gemma3)
-    if backend == "tvm":
-        from kiln.backends.targets import Target
-        from kiln.backends.tvm.encoder import TVMImageEncoder, compile_encoder
-
-        compile_encoder(program.graph, Target("cpu"), tmp_path)
-        encoder = TVMImageEncoder(tmp_path, program.weights)
-    else:
-        from kiln.backends.onnxruntime.encoder import OrtImageEncoder
-        from kiln.backends.onnxruntime.encoder import compile_encoder as compile_onnx
-
-        compile_onnx(program, tmp_path)
-        encoder = OrtImageEncoder(tmp_path, program.weights)
+    encoder = compile_image_encoder(program, backend, tmp_path)
     pixels = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(2)).numpy()
     inputs = encoder_inputs(pixels, config.patch_size)
     (expected,) = interpret(program.graph, program.weights, inputs)

@@ -17,41 +17,9 @@ from kiln.ir.step import SequenceSlice, build_step_inputs
 transformers = pytest.importorskip("transformers")
 
 
-def _save_tiny_llava(folder: Path) -> torch.nn.Module:
-    from tokenizers import Tokenizer, models
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        image_size=28,
-        patch_size=7,
-    )
-    text = LlamaConfig(
-        hidden_size=48,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=300,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=299)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
-    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 300)}}
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
-    ).save_pretrained(folder)
-    return model
-
-
 @pytest.mark.parametrize("prefix", ["as saved", "model.language_model"])
-def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str) -> None:
-    reference = _save_tiny_llava(tmp_path)
+def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str, tiny_llava) -> None:
+    reference = tiny_llava(tmp_path, with_tokenizer=True)
     if prefix != "as saved":  # transformers 4.5x's names: model.language_model.*, lm_head.*
         weights = load_file(tmp_path / "model.safetensors")
         renamed = {
@@ -74,33 +42,21 @@ def test_a_llava_directory_serves_its_language_model(tmp_path: Path, prefix: str
 
 
 @pytest.mark.parametrize("backend", ["reference", "onnxruntime", "tvm"])
-def test_image_rows_in_the_step_give_transformers_logits(tmp_path: Path, backend: str) -> None:
+def test_image_rows_in_the_step_give_transformers_logits(
+    tmp_path: Path, backend: str, tiny_llava, llava_encoder
+) -> None:
     """The text model's step with image rows (ir/step.py IMAGE_ROWS_INPUT) fed by the captured encoder:
     LLaVA's logits for a prompt with an image, the image's tokens cut across two chunked-prefill steps,
     then a step without an image."""
     import dataclasses
-    import json
 
-    from kiln.frontend.capture import capture_module
-    from kiln.frontend.models.clip_vision import (
-        ClipVisionConfig,
-        ClipVisionProjector,
-        encoder_inputs,
-        from_llava_weights,
-        input_types,
-    )
+    from kiln.frontend.models.clip_vision import encoder_inputs
     from kiln.ir.interpreter import interpret
 
-    reference = _save_tiny_llava(tmp_path)
-    vision = ClipVisionConfig.from_llava(json.loads((tmp_path / "config.json").read_text()))
-    encoder = ClipVisionProjector(vision)
-    encoder.load_state_dict(
-        from_llava_weights(vision, load_file(tmp_path / "model.safetensors")), strict=True
-    )
-    encoder_graph = capture_module(encoder.eval(), input_types(vision), "encode_image")
-    encoder_weights = {p.name: encoder.get_parameter(p.name).detach() for p in encoder_graph.params}
+    reference = tiny_llava(tmp_path, with_tokenizer=True)
+    vision, encoder = llava_encoder(tmp_path)
     pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(7))
-    (rows,) = interpret(encoder_graph, encoder_weights, encoder_inputs(pixels[0].numpy(), vision.patch_size))
+    (rows,) = interpret(encoder.graph, encoder.weights, encoder_inputs(pixels[0].numpy(), vision.patch_size))
     image = rows[1 : vision.num_rows].numpy()  # the default strategy drops the class token's row
 
     source = load_model(str(tmp_path))

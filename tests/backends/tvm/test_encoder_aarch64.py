@@ -10,19 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import elf_machine
 from kiln.backends.tvm.encoder import DESCRIPTION, LIBRARY, ROW_BLOCK, compile_encoder
 from kiln.backends.tvm.layouts import apply_layout
-from kiln.frontend.capture import capture_module
 from kiln.frontend.models.clip_vision import (
-    ClipVisionConfig,
-    ClipVisionProjector,
     encoder_inputs,
-    from_llava_weights,
-    input_types,
 )
 from kiln.ir.interpreter import interpret
 
@@ -30,36 +24,12 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_the_cortex_a76_encoder_under_qemu_matches_the_interpreter(tmp_path: Path, run_aarch64) -> None:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        image_size=28,
-        patch_size=7,
-    )
-    text = LlamaConfig(
-        hidden_size=48,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        vocab_size=300,
-    )
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text)).save_pretrained(
-        tmp_path / "hf"
-    )
-    config = ClipVisionConfig.from_llava(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    module = ClipVisionProjector(config)
-    module.load_state_dict(
-        from_llava_weights(config, load_file(tmp_path / "hf" / "model.safetensors")), strict=True
-    )
-    graph = capture_module(module.eval(), input_types(config), "encode_image")
-    weights = {p.name: module.get_parameter(p.name).detach() for p in graph.params}
+def test_the_cortex_a76_encoder_under_qemu_matches_the_interpreter(
+    tmp_path: Path, run_aarch64, tiny_llava, llava_encoder
+) -> None:
+    tiny_llava(tmp_path / "hf")
+    config, program = llava_encoder(tmp_path / "hf")
+    graph, weights = program.graph, program.weights
 
     compile_encoder(graph, Target.parse("cpu:cortex-a76"), tmp_path / "a76")
     assert elf_machine(tmp_path / "a76" / LIBRARY) == "aarch64"
