@@ -13,16 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.models.clip_vision import flat_patches, linear, tower_tensors
-from kiln.frontend.models.siglip import SiglipConfig, SiglipTower, siglip_weights
+from kiln.frontend.models.clip_vision import linear, tower_tensors
+from kiln.frontend.models.siglip import (  # noqa: F401  (input_types, encoder_inputs: this family's)
+    SiglipConfig,
+    SiglipTower,
+    encoder_inputs,
+    input_types,
+    siglip_weights,
+)
 from kiln.frontend.ops import rms_norm
-from kiln.ir import TensorType
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
@@ -87,12 +90,3 @@ def from_gemma3_weights(
         }
     except KeyError as missing:
         raise ModelLoadError(f"the Gemma 3 checkpoint lacks {missing.args[0]}") from None
-
-
-def input_types(config: Gemma3VisionConfig) -> dict[str, TensorType]:
-    return {"patches": TensorType("f32", (config.num_rows, config.patch_dim))}
-
-
-def encoder_inputs(pixel_values: npt.NDArray[np.float32], patch_size: int) -> dict[str, npt.NDArray[Any]]:
-    """The encoder's one input for [3, H, W] pixel values: every patch, flattened (`flat_patches`)."""
-    return {"patches": flat_patches(pixel_values, patch_size)}

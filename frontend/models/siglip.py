@@ -7,10 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
-from kiln.frontend.models.clip_vision import EncoderLayer, LayerNorm, encoder_layer_weights, linear
+from kiln.frontend.models.clip_vision import (
+    EncoderLayer,
+    LayerNorm,
+    encoder_layer_weights,
+    flat_patches,
+    linear,
+)
+from kiln.ir import TensorType
 
 
 @dataclass(frozen=True)
@@ -90,3 +99,13 @@ def siglip_weights(
     for i in range(config.num_layers):
         state |= encoder_layer_weights(tower, i)
     return {prefix + name: tensor for name, tensor in state.items()}
+
+
+def input_types(config: SiglipConfig) -> dict[str, TensorType]:
+    """The encoder's one input: every patch of one image (or tile), no padding."""
+    return {"patches": TensorType("f32", (config.num_rows, config.patch_dim))}
+
+
+def encoder_inputs(pixel_values: npt.NDArray[np.float32], patch_size: int) -> dict[str, npt.NDArray[Any]]:
+    """The encoder's input for one image's (or tile's) [3, H, W] pixel values: every patch, flattened."""
+    return {"patches": flat_patches(pixel_values, patch_size)}
