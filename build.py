@@ -39,6 +39,7 @@ class BuiltProgram(Optimized):
     source: ModelSource
     tokenizer: Tokenizer
     seconds: dict[str, float]  # load, dequantize, capture, passes
+    encoder: Program | None = None  # a vision-language model's image encoder, captured (float32)
 
     @property
     def config(self) -> ModelConfig:
@@ -128,6 +129,7 @@ def build_program(
         source=source,
         tokenizer=runtime_tokenizer(source),
         seconds=seconds,
+        encoder=source.vision.program() if source.vision is not None else None,
     )
 
 

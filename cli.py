@@ -54,6 +54,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _media_limits(args: argparse.Namespace) -> Any:
+    """--allowed-local-media-path, --allowed-media-domains and --limit-mm-per-prompt as the server's."""
+    import json
+
+    from kiln.runtime.media import MediaPolicy
+    from kiln.server.serving_engine import DEFAULT_MAX_IMAGES, MediaLimits
+
+    local = args.allowed_local_media_path
+    if local is not None and not Path(local).is_dir():
+        raise UsageError(f"--allowed-local-media-path {local}: not a directory")
+    limit = DEFAULT_MAX_IMAGES
+    if args.limit_mm_per_prompt is not None:
+        try:
+            limits = json.loads(args.limit_mm_per_prompt)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--limit-mm-per-prompt: not JSON ({error}); e.g. '{{\"image\": 4}}'") from None
+        if not isinstance(limits, dict) or set(limits) - {"image"}:
+            raise UsageError('--limit-mm-per-prompt takes {"image": N} (images are the one modality)')
+        limit = limits.get("image", limit)
+        if not isinstance(limit, int) or limit < 0:
+            raise UsageError(f"--limit-mm-per-prompt: image must be a count >= 0, got {limit!r}")
+    policy = MediaPolicy(
+        allowed_local_media_path=Path(local).resolve() if local is not None else None,
+        allowed_media_domains=frozenset(args.allowed_media_domains or ()),
+    )
+    return MediaLimits(policy, limit)
+
+
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The model options given on the command line, as `kiln.LLM` keywords (validated here, at once)."""
     from kiln.compiler import ModelOptions
@@ -126,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
+        media=_media_limits(args),
     )
     llm.close()
     return 0
@@ -536,6 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         default=None,
         help="split the reply's <think>...</think> into reasoning_content: deepseek_r1, qwen3",
+    )
+    serve.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="let image parts name file:// URLs under this directory (default: none)",
+    )
+    serve.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="let image parts name http(s) URLs on these hosts (default: none; only data: URLs)",
+    )
+    serve.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        help="the most images one prompt may hold, as JSON: '{\"image\": 4}' (default 8)",
     )
     serve.set_defaults(run=_serve)
 

@@ -26,11 +26,13 @@ from kiln.runtime.artifact import (
 )
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig, SchedulingPolicy
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.vision import ImageEmbedding, template_content
 
 if TYPE_CHECKING:
     from kiln.console import Progress
@@ -173,6 +175,7 @@ class LLM:
             config,
             vocab_size=self.artifact.vocab_size,
             draft=self.draft_artifact.executable if self.draft_artifact is not None else None,
+            vision=self.artifact.vision,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
@@ -204,48 +207,86 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        for request_id, prompt, params in zip(ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, params)
+        for request_id, (prompt, images), params in zip(ids, prompt_list, params_list, strict=True):
+            self.engine.add_request(request_id, prompt, params, images=images)
         finished = {output.request_id: output for output in self.engine.run_to_completion()}
         return [finished[request_id] for request_id in ids]
 
-    def _engine_prompt(self, prompt: Prompt) -> str | Sequence[int]:
-        """A prompt as the engine takes it; a ValueError for a dict it cannot serve."""
+    def _engine_prompt(self, prompt: Prompt) -> tuple[str | Sequence[int], list[ImageEmbedding]]:
+        """A prompt as the engine takes it, with its images embedded; a ValueError for a dict it cannot
+        serve."""
         if not isinstance(prompt, dict):
-            return prompt
+            return prompt, []
         unknown = set(prompt) - PROMPT_KEYS
         if unknown:
             raise ValueError(f"a prompt dict takes {sorted(PROMPT_KEYS)}, not {sorted(unknown)}")
         if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
             raise ValueError("a prompt dict holds exactly one of prompt and prompt_token_ids")
-        for modality in prompt.get("multi_modal_data") or {}:
+        data = prompt.get("multi_modal_data") or {}
+        for modality in data:
             if modality not in self.engine.input_modalities:
                 takes = ", ".join(self.engine.input_modalities)
                 raise ValueError(f"multi_modal_data[{modality!r}]: this model takes {takes} only")
-        return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+        images = data.get("image", [])
+        images = images if isinstance(images, list | tuple) else [images]
+        embedded = [self._embed(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+        return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"], embedded
+
+    def _embed(self, image: Any, where: str) -> ImageEmbedding:
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"{where}: a PIL image, not {type(image).__name__}")
+        assert self.artifact.vision is not None
+        return self.artifact.vision.embed(image)
 
     def chat(
-        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        media: MediaPolicy | None = None,
     ) -> RequestOutput:
-        """One conversation; a message's content is a text or OpenAI's list of parts."""
+        """One conversation; a message's content is a text or OpenAI's list of parts (`image_url` parts
+        where the model takes images: data: URLs, or what `media` allows; `image_pil` parts: PIL images)."""
         tokenizer = self.get_tokenizer()
-        messages = [self._chat_message(i, message) for i, message in enumerate(messages)]
+        images: list[Any] = []
+        messages = [self._chat_message(i, message, images, media) for i, message in enumerate(messages)]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([tokenizer.encode(text, add_special_tokens=False)], sampling_params)[0]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        return self.generate([prompt], sampling_params)[0]
 
-    def _chat_message(self, index: int, message: dict[str, Any]) -> dict[str, Any]:
-        """A message with its content as text; a ValueError naming an image part a text model cannot take."""
+    def _chat_message(
+        self, index: int, message: dict[str, Any], images: list[Any], media: MediaPolicy | None
+    ) -> dict[str, Any]:
+        """A message with its content as its chat template reads it, its images appended to `images`; a
+        ValueError naming a part this model cannot take."""
         content = message.get("content")
         if not isinstance(content, list):
             return message
-        texts = []
+        parts: list[str | None] = []
         for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                texts.append(part["text"])
-            elif kind in ("image_url", "image_pil", "image") and "image" not in self.engine.input_modalities:
-                where = f"messages[{index}].content[{j}]"
+                parts.append(part["text"])
+            elif kind in ("image_url", "image_pil") and "image" not in self.engine.input_modalities:
                 raise ValueError(f"{where} is an image, and this model takes text only")
+            elif kind == "image_url":
+                url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                try:
+                    images.append(load_image(url, media or MediaPolicy()))
+                except MediaError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                parts.append(None)
+            elif kind == "image_pil":
+                images.append(part["image_pil"])
+                parts.append(None)
             else:
-                raise ValueError(f"messages[{index}].content[{j}]: unknown content part type {kind!r}")
-        return {**message, "content": "\n".join(texts)}
+                raise ValueError(f"{where}: unknown content part type {kind!r}")
+        if all(part is not None for part in parts):
+            return {**message, "content": "\n".join(p for p in parts if p is not None)}
+        vision = self.artifact.vision
+        assert vision is not None
+        template = self.get_tokenizer().chat_template
+        return {**message, "content": template_content(parts, vision.spec.image_token, template)}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kiln.backends.targets import FLOAT8_HINT, Target, bfloat16_refusal, float8_kv_cache_refusal
 from kiln.errors import KilnError
@@ -220,6 +221,15 @@ class Executable(Protocol):
         ...
 
 
+class ImageEncoder(Protocol):
+    """A loaded image encoder (a vision-language model's second entry point, `encode_image`)."""
+
+    def encode(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.float32]:
+        """The encoder's output rows [rows, hidden] for one image's inputs (by name; rows padded to a
+        multiple of 4)."""
+        ...
+
+
 def kv_cache_device(executable: Executable) -> str:
     """Where `executable` wants its KV cache allocated: its `kv_cache_device`, else the host."""
     return str(getattr(executable, "kv_cache_device", "cpu"))
@@ -274,6 +284,16 @@ class Backend(Protocol):
         """Checks of the compiled files that need no device (e.g. the .so carries code for the arch):
         one line per check passed; raise BackendError on a failed one."""
         ...
+
+    def compile_encoder(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        """Write a vision-language model's image encoder for `target` into `folder`; the files written."""
+        ...
+
+    def load_encoder(
+        self, folder: Path, weights: dict[str, torch.Tensor], target: Target
+    ) -> ImageEncoder: ...
 
 
 def leave_cores_to_compiled_code() -> None:

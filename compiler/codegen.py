@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from kiln.backends.base import (
     Backend,
+    BackendError,
     CompileSettings,
     DeviceRequiredError,
     StoredWeight,
@@ -132,6 +133,37 @@ def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tupl
     return fmt.write_weights(root, [Entry(w.name, w.dtype, w.shape, lambda w=w: made(w)) for w in ordered])
 
 
+def _compile_encoders(
+    backend: Backend,
+    encoder: Program | None,
+    targets: tuple[Target, ...],
+    root: Path,
+    settings: CompileSettings,
+    world: int,
+) -> dict[str, Any]:
+    """A vision-language model's image encoder (the artifact's second entry point, `encode_image`)
+    compiled for each target under <target folder>/encoder, its weights written once: {target name:
+    its manifest entry, "weights": (path, sha256)}; empty for a text-only model."""
+    if encoder is None:
+        return {}
+    if world > 1:
+        raise BackendError(
+            "a vision-language model compiles for one rank only so far",
+            hint="leave out --tensor-parallel-size",
+        )
+    entries: dict[str, Any] = {}
+    codes = []
+    for target in targets:
+        folder = f"{target.folder}/encoder"
+        code = backend.compile_encoder(encoder, target, root / folder, settings)
+        codes.append(_RankCode(folder, code.files, code.manifest, code.kernels, code.weights))
+        entries[target.name] = {"folder": folder, "code": [f"{folder}/{name}" for name in code.files]}
+    weights = _write_weights(root, encoder, codes)
+    for entry in entries.values():
+        entry["weights"] = weights[0]
+    return {**entries, "weights": weights}
+
+
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -195,6 +227,9 @@ def compile_model(
             for rank, program in enumerate(programs)
         ]
         digests = dict(weights)
+        encoders = _compile_encoders(backend, built.encoder, plan.targets, scratch, settings, len(programs))
+        if encoders:
+            digests |= dict([encoders.pop("weights")])
         entries: dict[str, Any] = {}
         for target in plan.targets:
             ranks = compiled[target.name]
@@ -224,6 +259,8 @@ def compile_model(
             }
             if len(ranks) > 1:
                 entries[target.name]["ranks"] = rank_entries
+            if encoders:
+                entries[target.name]["encoder"] = encoders[target.name]
         now = time.perf_counter()
         stage("write weights", now - start)
         start = now
@@ -250,6 +287,7 @@ def compile_model(
                 "compile": {**compile_fields, "passes": [p.name for p in built.passes]},
                 "limits": {"max_model_len": max_model_len, "max_num_seqs": limits.max_num_seqs},
                 "targets": entries,
+                **({"vision": source.vision.spec.to_dict()} if source.vision is not None else {}),
             },
         )
         swap_in(scratch, out, force, keep_existing)

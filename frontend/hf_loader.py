@@ -34,9 +34,13 @@ def load_hf_dir(path: Path) -> ModelSource:
         )
     config = _with_generation_eos(read_config(path), path)
     raw_weights = read_weights(path)
-    if llava.is_llava(_read_json(path / "config.json")):
-        logger.warning("%s: a LLaVA checkpoint; its language model is served, images are not yet", path)
+    tokenizer = tokenizer_info_from_hf_dir(path)
+    vision = None
+    raw_config = _read_json(path / "config.json")
+    if llava.is_llava(raw_config):
+        vision = llava.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
         raw_weights = llava.text_weights(raw_weights)
+        config = dataclasses.replace(config, image_rows=True)
     weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
@@ -46,7 +50,8 @@ def load_hf_dir(path: Path) -> ModelSource:
         path=path,
         config=config,
         weights=weights,
-        tokenizer=tokenizer_info_from_hf_dir(path),
+        tokenizer=tokenizer,
+        vision=vision,
     )
 
 

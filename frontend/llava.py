@@ -1,15 +1,15 @@
 """A LLaVA checkpoint (`LlavaForConditionalGeneration`) read as its parts: the language model, which loads
-as the family it is (Llama, Mistral, Qwen2), and the image encoder (`models/clip_vision.py`).
-
-Until the engine takes image embeddings (issue 42), a LLaVA directory serves its language model: text
-in, text out, and an image part is refused as for any text-only model.
+as the family it is (Llama, Mistral, Qwen2) with image rows in its step, and the image encoder
+(`models/clip_vision.py`, `vision.py`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.vision import VisionSource, llava_vision
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -64,3 +64,20 @@ def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:
             renamed = _HEADS[1] + name.removeprefix(_HEADS[0])
         text[renamed] = tensor
     return text
+
+
+def vision(
+    path: Path, config: dict[str, Any], weights: dict[str, Weight], tokenizer_json: str
+) -> VisionSource:
+    """The checkpoint's image encoder, its placeholder named as the tokenizer spells it."""
+    from tokenizers import Tokenizer
+
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    token = Tokenizer.from_str(tokenizer_json).id_to_token(token_id) if isinstance(token_id, int) else None
+    if token is None:
+        raise ModelLoadError(
+            f"{path}: the tokenizer has no token {token_id!r} (the config's image_token_index)",
+            hint="the tokenizer and config.json are of different models",
+        )
+    encoder = {name: tensor for name, tensor in weights.items() if name.startswith(_VISION_PREFIXES)}
+    return llava_vision(path, config, encoder, token)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kiln.frontend.config import ModelConfig
+from kiln.frontend.vision import VisionSource
 from kiln.ir.deferred import Deferred
 from kiln.ir.gguf_blocks import QuantizedTensor  # loaders make them, passes import them
 
@@ -39,6 +40,7 @@ class ModelSource:
     config: ModelConfig
     weights: dict[str, Weight]
     tokenizer: TokenizerInfo
+    vision: VisionSource | None = None  # a vision-language model's image encoder
 
     def float_weights(self) -> dict[str, torch.Tensor | Deferred]:
         """All weights as float32, deferred (ir/deferred.py) where that takes work: quantized ones are

@@ -8,6 +8,9 @@
                                  64-byte aligned, mapped at load: runtime/weights_file.py), stored
                                  once however many targets share them
     DIR/<target>/...             one folder per target: the backend's compiled code, probe logits
+    DIR/<target>/encoder/...     a vision-language model's image encoder (`encode_image`), whose
+                                 weights are a file of their own; the manifest's `vision` says how an
+                                 image becomes its inputs and where its rows go (runtime/vision.py)
 
 Loading checks, in order, and refuses with the cause named: the manifest parses, its schema version
 is known, every listed file is present with its sha256, a target fits this machine (GPU arch), and
@@ -36,6 +39,7 @@ from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
 from kiln.runtime.tensor_parallel import CompiledRanks, TensorParallelExecutable, run_worker, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.vision import VisionModel, VisionSpec
 from kiln.runtime.weights_file import Entry, WeightsFileError, read_weights_file, write_weights_file
 
 SCHEMA_VERSION = 2  # 2: weights stored as the compiled code reads them (runtime/weights_file.py)
@@ -113,6 +117,7 @@ class LoadedArtifact:
     target: Target
     executable: Executable
     tokenizer: Tokenizer
+    vision: VisionModel | None = None  # a vision-language model's images → rows (its encoder)
 
     @property
     def model_name(self) -> str:
@@ -377,11 +382,27 @@ def load_artifact(
             f"again with --tensor-parallel-size {tensor_parallel_size}",
         )
     executable = load_ranks(entry["backend"], chosen, folder, rank_entries(entry))
+    vision = _load_vision(folder, manifest, chosen)
     fields = dict(manifest["tokenizer"])
     fields["tokenizer_json"] = (folder / TOKENIZER_FILE).read_text()
     template = folder / CHAT_TEMPLATE_FILE
     fields["chat_template"] = template.read_text() if template.is_file() else None
-    return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields))
+    return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields), vision)
+
+
+def _load_vision(folder: Path, manifest: dict[str, Any], target: Target) -> VisionModel | None:
+    """The image encoder of a vision-language model's artifact for `target`; None for a text-only one."""
+    entry = manifest["targets"][target.name]
+    encoder = entry.get("encoder")
+    if encoder is None or "vision" not in manifest:
+        return None
+    path = folder / encoder["weights"]
+    try:
+        weights = read_weights_file(path)
+    except (OSError, WeightsFileError) as error:
+        raise ArtifactError(f"{path}: cannot read the image encoder's weights ({error})") from None
+    loaded = get_backend(entry["backend"]).load_encoder(folder / encoder["folder"], weights, target)
+    return VisionModel(VisionSpec.from_dict(manifest["vision"]), loaded)
 
 
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay (re-read on next use)

@@ -30,6 +30,7 @@ from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
 from kiln.runtime.speculative.decoder import SpeculativeStats
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.vision import ImageEmbedding, VisionModel
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class EngineStatsSnapshot:
     num_generation_tokens: int
     num_preemptions: int
     speculative: SpeculativeStats | None  # None: speculative decoding is off
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, tokens found there
 
 
 class AsyncEngine:
@@ -97,6 +100,11 @@ class AsyncEngine:
     @property
     def input_modalities(self) -> tuple[str, ...]:
         return self._engine.input_modalities
+
+    @property
+    def vision(self) -> VisionModel | None:
+        """A vision-language model's image encoder (any thread may embed with it)."""
+        return self._engine.vision
 
     @property
     def max_num_seqs(self) -> int:
@@ -131,13 +139,17 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        images: Seq[ImageEmbedding] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they are made, the last one with `finished` set.
+        """Yield the request's outputs as they are made, the last one with `finished` set. `images`: a
+        vision-language model's, embedded (runtime/vision.py), in prompt order.
 
         Raises ValueError at once (before yielding) for a prompt or parameters that cannot be served.
         """
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
+        if images:
+            prompt, _ = self._engine.place_images(prompt, images)
         token_ids, _ = self.validate(prompt, params)
         self.check_priority(priority)
         if params.structured_output is not None:  # compiled off the engine loop; a GrammarError is a 400
@@ -149,7 +161,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         prompt_text = prompt if isinstance(prompt, str) else None
-        self._submit(lambda: self._add(request_id, prompt_text, token_ids, params, priority))
+        self._submit(lambda: self._add(request_id, prompt_text, token_ids, params, priority, images))
         finished = False
         try:
             while not finished:
@@ -172,10 +184,16 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(
-        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        images: Seq[ImageEmbedding],
     ) -> None:
         try:
-            self._engine.add_request(request_id, token_ids, params, priority)
+            self._engine.add_request(request_id, token_ids, params, priority, images)
             if prompt is not None:
                 self._engine.requests[request_id].prompt = prompt
         except ValueError as error:
@@ -261,6 +279,8 @@ class AsyncEngine:
             counters.num_generation_tokens,
             engine.scheduler.num_preemptions,
             counters.speculative.copy() if engine.spec_decoder is not None else None,
+            engine.scheduler.num_prefix_cache_queried_tokens,
+            engine.scheduler.num_prefix_cache_hit_tokens,
         )
 
     def _gauges(self) -> tuple[int, int, float]:

@@ -20,11 +20,12 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
-from kiln.runtime.sequence import Request, Sequence, SequenceStatus
+from kiln.runtime.sequence import PromptImages, Request, Sequence, SequenceStatus
 from kiln.runtime.speculative.decoder import SpeculativeDecoder, SpeculativeStats
 from kiln.runtime.speculative.proposer import make_proposer
 from kiln.runtime.structured_output import Constraint, Grammars
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.vision import ImageEmbedding, VisionModel, cache_key_ids, place_images
 
 
 @dataclass
@@ -55,15 +56,19 @@ class LLMEngine:
         config: EngineConfig | None = None,
         vocab_size: int | None = None,
         draft: Executable | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
         """`vocab_size`: the LM head's rows (the logits' width), if more than the tokenizer's. `draft`: the
-        draft model of speculative method draft_model (same vocabulary)."""
+        draft model of speculative method draft_model (same vocabulary). `vision`: a vision-language
+        model's image encoder (prompts may then hold images)."""
         self.config = config or EngineConfig()
         spec = self.config.speculative
         if (spec is not None and spec.method == "draft_model") != (draft is not None):
             raise ValueError("a draft executable goes with speculative method draft_model, and only with it")
         self.executable = executable
         self.tokenizer = tokenizer
+        self.vision = vision
+        self.image_row_base = vocab_size or tokenizer.vocab_size  # token id base + e: image row e
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
         specs = [executable.kv_cache_spec] + ([draft.kv_cache_spec] if draft is not None else [])
@@ -138,13 +143,18 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        images: Seq[ImageEmbedding] = (),
     ) -> None:
         """Queue a request; `priority` orders it under the priority scheduling policy (smaller first)
-        and must stay 0 under fcfs."""
+        and must stay 0 under fcfs. `images`: a vision-language model's, in prompt order (`place_images`
+        says where their rows go)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.config.check_priority(priority)
+        prompt_images = None
+        if images:
+            prompt, prompt_images = self.place_images(prompt, images)
         token_ids, max_tokens = self.validate(prompt, params)
         constraint = params.structured_output
         grammar = self.grammars.compile(constraint) if constraint is not None else None
@@ -157,6 +167,7 @@ class LLMEngine:
             next(self._arrivals),
             priority,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            images=prompt_images,
         )
         for index in range(params.n):
             seq = Sequence(f"{request_id}#{index}", index, request, list(token_ids))
@@ -183,6 +194,19 @@ class LLMEngine:
         self.scheduler.add(request.sequences[0])
         self._held[request_id] = request.sequences[1:]
 
+    def place_images(
+        self, prompt: str | Seq[int], images: Seq[ImageEmbedding]
+    ) -> tuple[list[int], PromptImages]:
+        """The prompt's ids with each image's placeholder expanded to its rows' tokens, and where those
+        rows go; a ValueError for a text-only model or placeholders that do not match the images."""
+        if self.vision is None:
+            raise ValueError("this model takes text only: a prompt may not hold images")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        counts = [image.num_tokens for image in images]
+        expanded, positions = place_images(token_ids, counts, self.vision.spec.image_token_id)
+        rows = np.concatenate([image.rows for image in images]).astype(np.float32, copy=False)
+        return expanded, PromptImages(rows, positions, cache_key_ids(expanded, positions, images))
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not (or no longer) here."""
         request = self.requests.pop(request_id, None)
@@ -202,8 +226,8 @@ class LLMEngine:
 
     @property
     def input_modalities(self) -> tuple[str, ...]:
-        """What a prompt may hold. Text only: no artifact carries a vision encoder yet (issue 42)."""
-        return ("text",)
+        """What a prompt may hold."""
+        return ("text", "image") if self.vision is not None else ("text",)
 
     @property
     def num_running(self) -> int:
@@ -229,7 +253,7 @@ class LLMEngine:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
-        inputs = build_step_inputs(slices, self.block_size)
+        inputs = build_step_inputs(slices, self.block_size, self.image_row_base)
         started = time.perf_counter()
         logits = self.executable.step(inputs, self.kv_cache)
         self.scheduler.step_cost.observe(
@@ -250,7 +274,7 @@ class LLMEngine:
             row += num_prompt_rows
             seq.num_computed_tokens += chunk.num_new_tokens - num_drafts  # drafts count once accepted
             self.stats.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            self.kv.cache_full_blocks(seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens)
             if num_drafts:
                 to_verify.append((seq, row, num_drafts))
             elif chunk.completes_known_tokens:
@@ -271,7 +295,12 @@ class LLMEngine:
         if chunk.completes_known_tokens:
             logits_at += range(chunk.num_new_tokens - 1 - chunk.num_drafts, chunk.num_new_tokens)
         tokens = (seq.all_token_ids + seq.draft_token_ids)[chunk.start : end]
-        return SequenceSlice(tokens, chunk.start, self.kv.block_table(seq.seq_id), logits_at)
+        table = self.kv.block_table(seq.seq_id)
+        images = seq.request.images
+        if images is None:
+            return SequenceSlice(tokens, chunk.start, table, logits_at)
+        image_at, image_rows = images.in_range(chunk.start, end)
+        return SequenceSlice(tokens, chunk.start, table, logits_at, image_at, image_rows)
 
     @staticmethod
     def _prompt_logprob_positions(seq: Sequence, start: int, end: int) -> range:
@@ -333,7 +362,7 @@ class LLMEngine:
         accepted = self.spec_decoder.verify(seq, rows, num_drafts, sample_row)
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
-            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            self.kv.cache_full_blocks(seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens)
 
     def _release_held(self, request: Request) -> None:
         """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""

@@ -107,7 +107,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_prefix_cache_hit_tokens = 0
+        self.num_prefix_cache_hit_tokens = 0  # tokens of admitted sequences found in the prefix cache
+        self.num_prefix_cache_queried_tokens = 0  # tokens of admitted sequences looked up there
         self.step_cost = StepCostModel(config.max_step_ms)
 
     def _order(self, seq: Sequence) -> tuple[int, ...]:
@@ -195,7 +196,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq.all_token_ids)
+            cached = self.kv.find_cached_prefix(seq.cache_key_ids)
             collected = seq.request.prompt_logprobs
             if collected is not None and seq.index == 0:  # skip no position whose logprob is still missing
                 cached = cached[: (len(collected) - 1) // self.kv.block_size]
@@ -213,6 +214,7 @@ class Scheduler:
             if seq.num_preemptions == 0 and not seq.output_token_ids:
                 seq.num_cached_tokens = num_computed
             self.num_prefix_cache_hit_tokens += num_computed
+            self.num_prefix_cache_queried_tokens += seq.num_tokens
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -52,8 +52,31 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def cache_key_ids(self) -> list[int]:
+        """Its tokens as the prefix cache hashes them: an image's tokens stand for its digest."""
+        images = self.request.images
+        if images is None:
+            return self.all_token_ids
+        return images.cache_key_ids + self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images, encoded once when the request is added (a preempted request keeps them):
+    `rows` [E, hidden] in prompt order, placed at prompt positions `positions` [E]."""
+
+    rows: npt.NDArray[np.float32]
+    positions: npt.NDArray[np.int64]
+    cache_key_ids: list[int]  # the prompt's ids, an image's tokens standing for its digest
+
+    def in_range(self, start: int, end: int) -> tuple[list[int], npt.NDArray[np.float32]]:
+        """(offsets from `start`, rows) of the image tokens at prompt positions [start, end)."""
+        first, last = np.searchsorted(self.positions, [start, end])
+        return (self.positions[first:last] - start).tolist(), self.rows[first:last]
 
 
 @dataclass(eq=False)
@@ -67,6 +90,7 @@ class Request:
     priority: int = 0  # under the priority scheduling policy, smaller is served first
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    images: PromptImages | None = None
 
     @property
     def finished(self) -> bool:

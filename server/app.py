@@ -29,7 +29,7 @@ from kiln.server.protocol import (
 )
 from kiln.server.serving_chat import OpenAIServingChat
 from kiln.server.serving_completions import OpenAIServingCompletion
-from kiln.server.serving_engine import Admission
+from kiln.server.serving_engine import Admission, MediaLimits
 from kiln.server.serving_tokenize import OpenAIServingTokenization
 
 UNPROTECTED_PATHS = frozenset({"/health", "/metrics"})
@@ -110,10 +110,12 @@ def create_app(
     max_request_bytes: int | None = None,
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    media: MediaLimits | None = None,
 ) -> FastAPI:
     """The server for one engine. The caller owns the engine (and shuts it down after the server).
 
-    `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len.
+    `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len; `media`: where a
+    request's images may come from and how many a prompt may hold (None: data: URLs, 8 images).
     """
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -128,10 +130,12 @@ def create_app(
     state.engine = engine
     state.metrics = server_metrics
     state.completions = OpenAIServingCompletion(engine, served_model_name, admission, server_metrics)
-    state.chat = OpenAIServingChat(engine, served_model_name, admission, server_metrics)
+    state.chat = OpenAIServingChat(engine, served_model_name, admission, server_metrics, media)
     state.chat.auto_tool_parser = auto_tool_parser
     state.chat.reasoning_parser = reasoning_parser
-    state.tokenization = OpenAIServingTokenization(engine, served_model_name, admission, server_metrics)
+    state.tokenization = OpenAIServingTokenization(
+        engine, served_model_name, admission, server_metrics, media
+    )
     app.include_router(router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)

@@ -63,6 +63,18 @@ class _EngineCollector(Collector):
             stats.num_prompt_tokens,
         )
         yield self._metric(
+            CounterMetricFamily,
+            "kiln:prefix_cache_queries",
+            "Tokens of admitted sequences looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield self._metric(
+            CounterMetricFamily,
+            "kiln:prefix_cache_hits",
+            "Tokens of admitted sequences found in the prefix cache (an image's tokens only for that image).",
+            stats.prefix_cache_hits,
+        )
+        yield self._metric(
             CounterMetricFamily, "kiln:generation_tokens", "Tokens generated.", stats.num_generation_tokens
         )
         yield self._metric(

@@ -15,6 +15,7 @@ import uvicorn
 
 from kiln.runtime.async_engine import AsyncEngine
 from kiln.server.app import create_app
+from kiln.server.serving_engine import MediaLimits
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def run_server(
     shutdown_timeout: float = 30.0,
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    media: MediaLimits | None = None,
 ) -> None:
     """`max_request_bytes` None: see `create_app`; `auto_tool_parser`: the tool-call parser of
     tool_choice "auto" (None: auto is refused)."""
@@ -53,6 +55,7 @@ def run_server(
         max_request_bytes=max_request_bytes,
         auto_tool_parser=auto_tool_parser,
         reasoning_parser=reasoning_parser,
+        media=media,
     )
     config = uvicorn.Config(
         app,

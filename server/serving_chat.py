@@ -110,12 +110,13 @@ class OpenAIServingChat(OpenAIServing):
             return params
 
         params = self.sampling_params(request, make)
-        text = self.render_chat(
+        text, images = self.render_chat(
             request.messages, request.add_generation_prompt, tools.tools, request.chat_template_kwargs
         )
         token_ids = self.encode(text, "messages", add_special_tokens=False)
+        embedded = self.embed_images(images, "messages")
         prepared = self.check_prompt(
-            token_ids, params, "messages", request.max_tokens_param, request.priority
+            token_ids, params, "messages", request.max_tokens_param, request.priority, embedded
         )
         parser = self.reasoning_parser
         if parser is not None:

@@ -16,18 +16,21 @@ import math
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
+from kiln.runtime.image_processing import ImageProcessingError
+from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.structured_output import GrammarError
+from kiln.runtime.vision import ImageEmbedding, place_images
 from kiln.server.errors import (
     APIError,
     bad_request,
@@ -39,6 +42,11 @@ from kiln.server.errors import (
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import ChatMessageParam, SamplingExtras
 from kiln.server.tools import template_messages
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+DEFAULT_MAX_IMAGES = 8  # a prompt's images, unless --limit-mm-per-prompt says otherwise
 
 T = TypeVar("T")
 
@@ -87,6 +95,15 @@ class Hold:
         weakref.finalize(owner, self.release)
 
 
+@dataclass(frozen=True)
+class MediaLimits:
+    """What a request's images may be: where from and how large (`policy`), and how many a prompt
+    (--limit-mm-per-prompt)."""
+
+    policy: MediaPolicy = field(default_factory=MediaPolicy)
+    max_images: int = DEFAULT_MAX_IMAGES
+
+
 @dataclass
 class Prepared:
     """A validated engine request: its prompt's token ids and parameters."""
@@ -94,13 +111,20 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    images: list[ImageEmbedding] = field(default_factory=list)  # their placeholders expanded in the ids
 
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, model_name: str, admission: Admission, metrics: ServerMetrics
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        admission: Admission,
+        metrics: ServerMetrics,
+        media: MediaLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.media = media or MediaLimits()
         self.model_name = model_name
         self.admission = admission
         self.metrics = metrics
@@ -155,9 +179,12 @@ class OpenAIServing:
         prompt_param: str,
         max_tokens_param: str,
         priority: int = 0,
+        images: Sequence[ImageEmbedding] = (),
     ) -> Prepared:
         """The engine's own validation, as a 400 naming the field; a prompt that leaves no room for
-        output is `context_length_exceeded`."""
+        output is `context_length_exceeded`. `images`: the prompt's, each placeholder then expanded."""
+        if images:
+            token_ids = self.expand_images(token_ids, [image.num_tokens for image in images], prompt_param)
         if len(token_ids) >= self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -172,7 +199,16 @@ class OpenAIServing:
             param = max_tokens_param if "max_tokens" in message else prompt_param
             code = "context_length_exceeded" if "max_model_len" in message else None
             raise bad_request(message, param, code) from None
-        return Prepared(ids, params, priority)
+        return Prepared(ids, params, priority, list(images))
+
+    def expand_images(self, token_ids: list[int], num_tokens: Sequence[int], param: str) -> list[int]:
+        vision = self.engine.vision
+        assert vision is not None
+        try:
+            expanded, _ = place_images(token_ids, num_tokens, vision.spec.image_token_id)
+        except ValueError as error:
+            raise bad_request(str(error), param) from None
+        return expanded
 
     def encode(self, prompt: str, param: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -186,8 +222,9 @@ class OpenAIServing:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> str:
-        """`template_kwargs`: the request's chat_template_kwargs, variables the template reads."""
+    ) -> tuple[str, list[Image.Image]]:
+        """The prompt's text and its images, loaded and decoded (in order); `template_kwargs`: the
+        request's chat_template_kwargs, variables the template reads."""
         if not messages:
             raise bad_request("messages must hold at least one message", "messages")
         reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or {})
@@ -196,27 +233,56 @@ class OpenAIServing:
                 f"chat_template_kwargs may not set {sorted(reserved)}: they have their own fields",
                 "chat_template_kwargs",
             )
-        self._check_images(messages)
-        chat = template_messages(list(messages))
+        images = self.load_images(messages)
+        vision = self.engine.vision
+        image_token = vision.spec.image_token if vision is not None and images else None
+        chat = template_messages(list(messages), image_token, self.tokenizer.chat_template)
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 chat, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
             )
         except KilnError as error:
             raise bad_request(error.one_line(), "messages") from None
         except Exception as error:  # a template that fails on these messages is still a bad request
             raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
+        return text, images
 
-    def _check_images(self, messages: Sequence[ChatMessageParam]) -> None:
-        """A 400 naming the first image part where the model takes no images."""
-        if "image" in self.engine.input_modalities:
-            return
+    def load_images(self, messages: Sequence[ChatMessageParam]) -> list[Image.Image]:
+        """Every image part's image, fetched and decoded as the server's media policy allows; a 400
+        naming the part that cannot be (a text-only model, past --limit-mm-per-prompt, a URL not
+        allowed, bytes that are no image or too many pixels)."""
+        images = []
         for i, message in enumerate(messages):
-            for j, _ in message.image_parts():
+            for j, part in message.image_parts():
                 where = f"messages[{i}].content[{j}]"
-                raise bad_request(
-                    f"{where} is an image, and model {self.model_name!r} takes text only", where
-                )
+                if "image" not in self.engine.input_modalities:
+                    raise bad_request(
+                        f"{where} is an image, and model {self.model_name!r} takes text only", where
+                    )
+                if len(images) == self.media.max_images:
+                    raise bad_request(
+                        f"{where}: more than {self.media.max_images} images in one prompt (the server's "
+                        f"--limit-mm-per-prompt)",
+                        where,
+                    )
+                try:
+                    images.append(load_image(part.image_url.url, self.media.policy))
+                except MediaError as error:
+                    raise bad_request(f"{where}: {error}", where) from None
+        return images
+
+    def embed_images(self, images: Sequence[Image.Image], param: str) -> list[ImageEmbedding]:
+        """The images through the model's encoder (in this thread: one of the request threads, never the
+        event loop)."""
+        vision = self.engine.vision
+        assert vision is not None or not images
+        embedded = []
+        for index, image in enumerate(images):
+            try:
+                embedded.append(vision.embed(image))  # type: ignore[union-attr]
+            except ImageProcessingError as error:
+                raise bad_request(f"{param}: image {index}: {error}", param) from None
+        return embedded
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -234,7 +300,7 @@ class OpenAIServing:
         """The engine's stream with metrics; leaving it early aborts the request."""
         tracker = self.metrics.track()
         stream = self.engine.generate(
-            prepared.prompt_token_ids, prepared.params, request_id, prepared.priority
+            prepared.prompt_token_ids, prepared.params, request_id, prepared.priority, prepared.images
         )
         try:
             async for output in stream:

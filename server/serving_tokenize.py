@@ -29,10 +29,16 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         if request.messages is not None:
-            text = self.render_chat(
+            text, images = self.render_chat(
                 request.messages, request.add_generation_prompt, template_kwargs=request.chat_template_kwargs
             )
             token_ids = self.encode(text, "messages", add_special_tokens=bool(request.add_special_tokens))
+            if images:  # each image's placeholder stands for its rows' tokens
+                vision = self.engine.vision
+                assert vision is not None
+                token_ids = self.expand_images(
+                    token_ids, [vision.spec.num_image_tokens] * len(images), "messages"
+                )
         else:
             special = True if request.add_special_tokens is None else request.add_special_tokens
             token_ids = self.encode(request.prompt or "", "prompt", add_special_tokens=special)

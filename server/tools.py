@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.sampling_params import StructuredOutput
+from kiln.runtime.vision import template_content
 from kiln.server.errors import bad_request
-from kiln.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from kiln.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice, TextContentPart
 from kiln.server.tool_parsers import Parsed, ParsedCall, Parser
 from kiln.server.tool_parsers.registry import parser
 
@@ -102,12 +103,20 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def template_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[ChatMessageParam], image_token: str | None = None, template: str | None = None
+) -> list[dict[str, Any]]:
     """The messages as chat templates read them: an assistant's tool calls with their arguments as
-    objects (as HF templates index them), a tool result with its call's id."""
+    objects (as HF templates index them), a tool result with its call's id; with `image_token` (a
+    vision-language model's), a message's image parts as the `template` reads them."""
     chat: list[dict[str, Any]] = []
     for message in messages:
-        item: dict[str, Any] = {"role": message.role, "content": message.text(), "name": message.name}
+        content: Any = message.text()
+        if image_token is not None and message.image_parts():
+            assert isinstance(message.content, list)
+            parts = [part.text if isinstance(part, TextContentPart) else None for part in message.content]
+            content = template_content(parts, image_token, template)
+        item: dict[str, Any] = {"role": message.role, "content": content, "name": message.name}
         if message.tool_calls:
             item["tool_calls"] = [
                 {

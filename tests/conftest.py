@@ -563,7 +563,8 @@ def save_tiny_llava(
 ) -> Any:
     """A random-weight LlavaForConditionalGeneration (CLIP 28 x 28 in 7 x 7 patches, a 2-layer Llama of
     300 tokens, image token 299) saved at `folder`, norms, biases and embeddings random too so that a
-    wrong mapping shows; returns the model."""
+    wrong mapping shows; returns the model. `with_tokenizer`: a whitespace tokenizer of words t1..t298
+    and <image> (299), a chat template and a CLIP image processor's config too, as a servable model."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models
@@ -600,12 +601,31 @@ def save_tiny_llava(
                 parameter.normal_(0, 0.5 if "bias" in name or "embedding" in name else 1.0)
     model.save_pretrained(folder)
     if with_tokenizer:
-        vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 300)}}
+        from tokenizers import decoders, pre_tokenizers
+
+        vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 299)}, "<image>": 299}
         tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(
-            folder
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.decoder = decoders.WordPiece()  # words joined by spaces
+        hf_tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, unk_token="<unk>", eos_token="t2"
         )
+        hf_tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
+        hf_tokenizer.save_pretrained(folder)
+        transformers.CLIPImageProcessor(
+            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        ).save_pretrained(folder)
     return model
+
+
+# LLaVA-1.5's template's shape: an image part is its placeholder, then the text
+TINY_LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image> {% else %}{{ part['text'] }} {% endif %}"
+    "{% endfor %}{% endif %} t3 {% endfor %}{% if add_generation_prompt %}t4 {% endif %}"
+)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from kiln.backends.base import (
     CompiledCode,
     CompileSettings,
     Executable,
+    ImageEncoder,
     leave_cores_to_compiled_code,
 )
 from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
@@ -67,6 +68,18 @@ class OnnxRuntimeBackend:
         for name in meta[SESSION_KEY].get("providers", []):
             lines.append(f"session provider {name[0]} recorded")
         return lines
+
+    def compile_encoder(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        from kiln.backends.onnxruntime.encoder import compile_encoder
+
+        return compile_encoder(program, folder)
+
+    def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
+        from kiln.backends.onnxruntime.encoder import OrtImageEncoder
+
+        return OrtImageEncoder(folder, torch_weights(weights))
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         model, meta = read_lowered(folder)

@@ -4,7 +4,7 @@ bindings beside it, and the runner that calls it on one image's inputs.
     compile_encoder(Program(graph, weights), folder)
     rows = OrtImageEncoder(folder, weights).encode(encoder_inputs(pixel_values, patch))
 
-Not yet part of an artifact or a backend's compile (issue 42): the encoder is compiled and run on its own.
+An artifact holds it beside a vision-language model's step code (compiler/codegen.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kiln.backends.base import CompiledCode
 from kiln.backends.onnx.lower import lower_program
 from kiln.backends.onnx.weights import WeightBinding, materialize
 from kiln.ir import Program
@@ -27,11 +28,12 @@ MODEL = "encode_image.onnx"
 BINDINGS = "encode_image.json"
 
 
-def compile_encoder(program: Program, folder: Path) -> None:
+def compile_encoder(program: Program, folder: Path) -> CompiledCode:
     folder.mkdir(parents=True, exist_ok=True)
     lowered = lower_program(program)
     (folder / MODEL).write_bytes(lowered.model.SerializeToString())
     (folder / BINDINGS).write_text(json.dumps(lowered.meta(), indent=1) + "\n")
+    return CompiledCode([MODEL, BINDINGS], {"all ops": "onnxruntime"})
 
 
 class OrtImageEncoder:

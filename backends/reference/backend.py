@@ -13,12 +13,13 @@ from kiln.backends.base import (
     CompiledCode,
     CompileSettings,
     Executable,
+    ImageEncoder,
     Refusal,
     integer_dot_refusal,
 )
-from kiln.backends.reference.executable import ReferenceExecutable
+from kiln.backends.reference.executable import ReferenceExecutable, ReferenceImageEncoder
 from kiln.backends.targets import Target
-from kiln.ir import Program, graph_from_json, graph_to_json
+from kiln.ir import Graph, Program, graph_from_json, graph_to_json
 from kiln.ir.host_arrays import torch_weights
 from kiln.passes.base import KV_CACHE_DTYPES
 
@@ -59,9 +60,23 @@ class ReferenceBackend:
         graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
         return [f"{GRAPH_FILE} parses as a graph"]
 
+    def compile_encoder(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(graph_to_json(program.graph), indent=1, sort_keys=True) + "\n"
+        (folder / GRAPH_FILE).write_text(text)
+        return CompiledCode([GRAPH_FILE], {"all ops": "torch reference"})
+
+    def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
+        return ReferenceImageEncoder(_read_graph(folder), torch_weights(weights))
+
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
-        try:
-            graph = graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError) as error:
-            raise BackendError(f"{folder / GRAPH_FILE}: cannot read the graph ({error})") from None
-        return ReferenceExecutable(graph, torch_weights(weights))
+        return ReferenceExecutable(_read_graph(folder), torch_weights(weights))
+
+
+def _read_graph(folder: Path) -> Graph:
+    try:
+        return graph_from_json(json.loads((folder / GRAPH_FILE).read_text()))
+    except (OSError, json.JSONDecodeError, KeyError) as error:
+        raise BackendError(f"{folder / GRAPH_FILE}: cannot read the graph ({error})") from None

@@ -4,6 +4,11 @@ on the CPU. It is the oracle every other backend is checked against, so it favou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kiln.backends.base import KVCacheSpec, Logits
@@ -29,3 +34,17 @@ class ReferenceExecutable:
             given[IMAGE_ROWS_INPUT] = torch.zeros(0, self._image_rows, dtype=torch.float32)
         (logits,) = interpret(self.graph, self.weights, given, self._last_uses)
         return logits.to(torch.float32).numpy()
+
+
+class ReferenceImageEncoder:
+    """An image encoder's graph, interpreted."""
+
+    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
+        verify(graph)
+        check_weights(graph, weights)
+        self.graph = graph
+        self.weights = {name: materialize(weight) for name, weight in weights.items()}
+
+    def encode(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.float32]:
+        (rows,) = interpret(self.graph, self.weights, inputs)
+        return rows.to(torch.float32).numpy()

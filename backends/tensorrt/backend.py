@@ -19,6 +19,7 @@ from kiln.backends.base import (
     CompileSettings,
     DeviceRequiredError,
     Executable,
+    ImageEncoder,
 )
 from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
@@ -83,6 +84,17 @@ class TensorRTBackend:
                 f"{folder}: no TensorRT engine", hint="compile on a machine with the target's GPU"
             )
         return [*lines, f"{engine} present ({(folder / engine).stat().st_size:,} bytes)"]
+
+    def compile_encoder(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        raise BackendError(
+            "tensorrt: image encoders are not built by this backend yet",
+            hint="compile the vision-language model with --backend tvm or --backend onnxruntime",
+        )
+
+    def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
+        raise BackendError("tensorrt: image encoders are not built by this backend yet")
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         reason = mismatch(target)

@@ -20,6 +20,7 @@ from kiln.backends.base import (
     CompileSettings,
     Executable,
     Hardware,
+    ImageEncoder,
     Refusal,
     integer_dot_refusal,
     leave_cores_to_compiled_code,
@@ -193,6 +194,18 @@ class TVMBackend:
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
             image_rows=description.get("image_rows"),
         )
+
+    def compile_encoder(
+        self, program: Program, target: Target, folder: Path, settings: CompileSettings
+    ) -> CompiledCode:
+        from kiln.backends.tvm.encoder import compile_encoder
+
+        return compile_encoder(program.graph, target, folder, settings.num_threads)
+
+    def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
+        from kiln.backends.tvm.encoder import TVMImageEncoder
+
+        return TVMImageEncoder(folder, weights)
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:
         description = self._description(folder)

@@ -154,8 +154,11 @@ def build_environment(stub: Path, nvcc_path: Path, compiler: str = "nvcc") -> di
     return env
 
 
-def run_build(program: Program, target: Target, folder: Path, *, ptx: bool) -> dict[str, Any]:
-    """Run cuda_build in its own process; its result JSON."""
+def run_build(
+    program: Program, target: Target, folder: Path, *, ptx: bool, entry: str = "step", library: str = LIBRARY
+) -> dict[str, Any]:
+    """Run cuda_build in its own process; its result JSON. `entry`: "step", or "encode_image" (an image
+    encoder's graph), written as `library`."""
     arch = str(target.gpu_arch)
     compiler = device_compiler(arch)
     if compiler is None:
@@ -170,6 +173,8 @@ def run_build(program: Program, target: Target, folder: Path, *, ptx: bool) -> d
             "cross_compiler": cross_compiler(target),
             "out": str(folder),
             "ptx": ptx,
+            "entry": entry,
+            "library": library,
             "result": str(Path(scratch) / "result.json"),
         }
         Path(request["graph"]).write_text(json.dumps(graph_to_json(program.graph)))

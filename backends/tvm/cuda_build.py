@@ -29,7 +29,7 @@ from tvm.s_tir import dlight as dl
 from tvm.support import cc, nvcc
 
 from kiln.backends.base import BackendError
-from kiln.backends.tvm.lowering import lower_graph
+from kiln.backends.tvm.lowering import ENCODE_IMAGE, lower_encoder, lower_graph
 from kiln.backends.tvm.reproducible import sort_shape_func_stores
 from kiln.ir import graph_from_json
 
@@ -257,8 +257,12 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     host = {"kind": "llvm", "mtriple": request["host_triple"]}
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
     start = time.perf_counter()
+    encoder = request.get("entry") == ENCODE_IMAGE
     with target:
-        lowered = lower_graph(graph, "cuda", schedule_gpu, decode=True, decode_kernels=decode_gemv)
+        if encoder:  # a vision-language model's image encoder: one function over one image's rows
+            lowered = lower_encoder(graph, "cuda", schedule_gpu)
+        else:
+            lowered = lower_graph(graph, "cuda", schedule_gpu, decode=True, decode_kernels=decode_gemv)
         times["lower_and_schedule_kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         module = tvm.transform.Sequential([*fuse_and_schedule(), *to_vm()])(lowered.module)
@@ -275,7 +279,8 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     linker = request["cross_compiler"]
     executable.export_library(
-        str(out / "step.so"), fcompile=cc.cross_compiler(linker) if linker is not None else None
+        str(out / request.get("library", "step.so")),
+        fcompile=cc.cross_compiler(linker) if linker is not None else None,
     )
     times["export"] = time.perf_counter() - start
     times["nvcc"] = sum(call["seconds"] for call in nvcc_calls)

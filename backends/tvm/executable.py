@@ -200,7 +200,7 @@ class TVMExecutable:
         """`image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
         IMAGE_ROWS_INPUT), None for a text model."""
         if device == "cuda":
-            import torch  # noqa: F401  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
+            import torch  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
 
             load_cuda_runtime()
         ffi = load_runtime()
@@ -221,11 +221,13 @@ class TVMExecutable:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
         self._host_buffers = HostStepBuffers()
-        if image_rows is not None and device != "cpu":
-            raise BackendError("tvm: image rows on a GPU are not supported yet; compile for a CPU target")
-        self._no_image_rows = (
-            None if image_rows is None else _aligned_empty((0, image_rows), np.dtype(np.float32))
-        )
+        self._no_image_rows: Any = None
+        if image_rows is not None:
+            self._no_image_rows = _aligned_empty((0, image_rows), np.dtype(np.float32))
+            if device != "cpu":
+                import torch
+
+                self._no_image_rows = torch.from_numpy(self._no_image_rows).to(device)
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
         self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
         self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
@@ -310,7 +312,9 @@ class TVMExecutable:
         packed = [ffi.from_dlpack(a) for a in inputs]
         packed.append(self._cache_arg[1])
         if self._no_image_rows is not None:
-            rows = self._no_image_rows if image_rows is None else host_aligned(image_rows)
+            rows = self._no_image_rows
+            if image_rows is not None:  # on the host for a CPU, uploaded already for a GPU
+                rows = host_aligned(image_rows) if self.device == "cpu" else image_rows
             packed.append(ffi.from_dlpack(rows))
         packed.append(ffi.from_dlpack(row_counts))
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
@@ -333,11 +337,12 @@ class TVMExecutable:
         if self.device == "cuda":
             import torch
 
-            if self.graphs is not None:
+            if self.graphs is not None and inputs.image_rows is None:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:
                     return replayed.to("cpu", torch.float32).numpy()
-            logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache))
+            rows = None if inputs.image_rows is None else torch.from_numpy(inputs.image_rows).to(self.device)
+            logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache, rows))
             return logits[:num_logits].to("cpu", torch.float32).numpy()
         tensors = self._host_buffers.tensors(inputs)
         logits = np.from_dlpack(self.call(tensors, kv_cache, inputs.image_rows))[:num_logits]

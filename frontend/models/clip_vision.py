@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +22,8 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.frontend.ops import attention, gelu, gelu_tanh, layer_norm, quick_gelu
 from kiln.ir import TensorType
+from kiln.runtime.vision import clip_encoder_inputs as encoder_inputs  # noqa: F401  (this family's)
+from kiln.runtime.vision import flat_patches  # noqa: F401  (the SigLIP families' too)
 
 ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 
@@ -223,23 +223,6 @@ def from_llava_weights(config: ClipVisionConfig, weights: dict[str, torch.Tensor
     return state
 
 
-def encoder_inputs(
-    pixel_values: npt.NDArray[np.float32], patch_size: int, row_block: int = 1
-) -> dict[str, npt.NDArray[Any]]:
-    """The encoder's inputs for one image's [3, H, W] pixel values: `patches` [rows, 3 * p * p], a zero
-    row (the class token's) then each patch in raster order, flattened as the convolution's weight is
-    (channel, row, column); `position_ids` [rows]; `num_rows` [1]. Rows are padded with zeros (position
-    0) to a multiple of `row_block`."""
-    flat = flat_patches(pixel_values, patch_size)
-    real = flat.shape[0] + 1
-    rows = -(-real // row_block) * row_block
-    patches = np.zeros((rows, flat.shape[1]), np.float32)
-    patches[1:real] = flat
-    position_ids = np.zeros(rows, np.int64)
-    position_ids[:real] = np.arange(real)
-    return {"patches": patches, "position_ids": position_ids, "num_rows": np.array([real], np.int64)}
-
-
 def input_types(config: ClipVisionConfig) -> dict[str, TensorType]:
     """`forward`'s inputs: T rows (padded), as capture types them."""
     return {
@@ -247,13 +230,3 @@ def input_types(config: ClipVisionConfig) -> dict[str, TensorType]:
         "position_ids": TensorType("i64", ("T",)),
         "num_rows": TensorType("i64", (1,)),
     }
-
-
-def flat_patches(pixel_values: npt.NDArray[np.float32], patch_size: int) -> npt.NDArray[np.float32]:
-    """[3, H, W] as [patches, 3 * p * p]: raster order, each patch flattened as a patch-embedding
-    convolution's weight is (channel, row, column)."""
-    channels, height, width = pixel_values.shape
-    grid_h, grid_w = height // patch_size, width // patch_size
-    blocks = pixel_values.reshape(channels, grid_h, patch_size, grid_w, patch_size)
-    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(grid_h * grid_w, channels * patch_size * patch_size)
-    return np.ascontiguousarray(flat, dtype=np.float32)

@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import pytest
 
@@ -185,10 +186,11 @@ def _add_fails_with(error: Exception) -> type[LLMEngine]:
             prompt: str | Seq[int],
             params: SamplingParams | None = None,
             priority: int = 0,
+            images: Seq[Any] = (),
         ) -> None:
             if request_id == "boom":
                 raise error
-            super().add_request(request_id, prompt, params, priority)
+            super().add_request(request_id, prompt, params, priority, images)
 
     return AddFails
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import httpx
 import pytest
@@ -29,10 +30,11 @@ class _AddFailsWhenArmed(LLMEngine):
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        images: Sequence[Any] = (),
     ) -> None:
         if self.armed:
             raise RuntimeError("injected fault admitting a request")
-        super().add_request(request_id, prompt, params, priority)
+        super().add_request(request_id, prompt, params, priority, images)
 
 
 async def _until(condition: Callable[[], bool]) -> None:

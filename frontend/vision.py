@@ -1,0 +1,94 @@
+"""A vision-language model's image side as the compile needs it: the encoder (vision tower and projector)
+as a torch module with its weights, the types of its inputs, and what the runtime needs to turn an image
+into the rows that take its placeholder tokens' places (runtime/vision.py's VisionSpec, written into the
+artifact's manifest as `vision`).
+
+Families so far: LLaVA (CLIP + MLP projector, `LlavaForConditionalGeneration` directories).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from kiln.errors import ModelLoadError
+from kiln.ir import Program, TensorType
+from kiln.runtime.vision import VisionSpec
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+ENCODE_IMAGE = "encode_image"
+
+
+@dataclass
+class VisionSource:
+    """The encoder as loaded: `module` with its weights, called with `input_types`."""
+
+    spec: VisionSpec
+    module: nn.Module
+    input_types: dict[str, TensorType]
+
+    def program(self) -> Program:
+        """The encoder captured with torch.fx into Kiln IR (float32)."""
+        from kiln.frontend.capture import capture_module
+
+        graph = capture_module(self.module.eval(), self.input_types, ENCODE_IMAGE)
+        return Program(graph, {p.name: self.module.get_parameter(p.name).detach() for p in graph.params})
+
+
+def llava_vision(
+    path: Path, config: dict[str, Any], weights: dict[str, Any], image_token: str
+) -> VisionSource:
+    """A LLaVA directory's encoder; `image_token`: the placeholder's text (the tokenizer's for the
+    config's image_token_index)."""
+    from kiln.frontend.models.clip_vision import (
+        ClipVisionConfig,
+        ClipVisionProjector,
+        from_llava_weights,
+        input_types,
+    )
+    from kiln.frontend.source import float32
+    from kiln.ir.deferred import materialize
+
+    vision = ClipVisionConfig.from_llava(config)
+    module = ClipVisionProjector(vision)
+    tensors = {name: materialize(float32(tensor)) for name, tensor in weights.items()}
+    module.load_state_dict(from_llava_weights(vision, tensors), strict=True)
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    if not isinstance(token_id, int):
+        raise ModelLoadError(
+            f"{path}/config.json: no image_token_index", hint="the LLaVA config is incomplete"
+        )
+    spec = VisionSpec(
+        family="llava",
+        inputs="clip",
+        preprocessor=read_preprocessor(path),
+        image_token=image_token,
+        image_token_id=token_id,
+        num_image_tokens=vision.num_image_tokens,
+        first_row=0 if vision.keep_class_token else 1,
+        patch_size=vision.patch_size,
+        hidden_size=vision.text_hidden_size,
+    )
+    return VisionSource(spec, module, input_types(vision))
+
+
+def read_preprocessor(path: Path) -> dict[str, Any]:
+    """The directory's preprocessor_config.json, checked by the runtime's own reader of it."""
+    from kiln.runtime.image_processing import ImageProcessing, ImageProcessingError
+
+    file = path / PREPROCESSOR_FILE
+    if not file.is_file():
+        raise ModelLoadError(
+            f"{path}: no {PREPROCESSOR_FILE}",
+            hint="a vision-language model's directory needs its image processor's config; download it too",
+        )
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+        ImageProcessing.from_config(config)
+    except (UnicodeDecodeError, json.JSONDecodeError, ImageProcessingError) as error:
+        raise ModelLoadError(f"{file}: {error}") from None
+    return dict(config)

@@ -1,0 +1,175 @@
+"""A vision-language model's images at run time: an image → pixel values (image_processing.py) → the
+compiled encoder's inputs → its rows, one per placeholder token the image takes in the prompt.
+
+    vision = VisionModel(spec, encoder)        # spec: the manifest's `vision`; encoder: the artifact's
+    embedding = vision.embed(image)            # ImageEmbedding: rows [num_image_tokens, hidden], digest
+    engine.add_request(id, prompt, params, images=[embedding])
+
+The engine places an embedding's rows at its placeholder tokens (`place_images`); the prefix cache keys
+those tokens by the image's digest (the hash of its pixel values), so the same image and prompt reuse
+blocks and another image does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.runtime.image_processing import ImageProcessing
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from kiln.backends.base import ImageEncoder
+
+ROW_BLOCK = 4  # the encoder's rows are padded to a multiple of this (TVM computes rows in blocks of 4)
+INPUT_KINDS = ("clip",)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the runtime needs besides the compiled encoder (an artifact manifest's `vision` object).
+
+    `inputs`: how an image's pixel values become the encoder's inputs ("clip": a class-token row, then
+    the patches: `clip_encoder_inputs`); `first_row`: the encoder's output rows before the image's own
+    (the class token's, which LLaVA's default strategy drops); `num_image_tokens`: the rows an image takes
+    in the prompt, each at one `image_token_id`."""
+
+    family: str
+    inputs: str
+    preprocessor: dict[str, Any]  # the model's preprocessor_config.json
+    image_token: str
+    image_token_id: int
+    num_image_tokens: int
+    first_row: int
+    patch_size: int
+    hidden_size: int  # the text model's: each row's width
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VisionSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's rows [num_tokens, hidden] (float32) and the sha256 of its pixel values."""
+
+    rows: npt.NDArray[np.float32]
+    digest: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.rows.shape[0])
+
+
+class VisionModel:
+    """Images → embeddings with a compiled encoder; any thread may call `embed` (one image at a time)."""
+
+    def __init__(self, spec: VisionSpec, encoder: ImageEncoder) -> None:
+        if spec.inputs not in INPUT_KINDS:
+            raise ValueError(f"encoder inputs {spec.inputs!r} are not one of {INPUT_KINDS}")
+        self.spec = spec
+        self.encoder = encoder
+        self.processing = ImageProcessing.from_config(spec.preprocessor)
+        self._lock = threading.Lock()
+
+    def pixel_values(self, image: Image.Image) -> npt.NDArray[np.float32]:
+        return self.processing.pixel_values(image)
+
+    def embed(self, image: Image.Image) -> ImageEmbedding:
+        pixels = self.pixel_values(image)
+        inputs = clip_encoder_inputs(pixels, self.spec.patch_size, ROW_BLOCK)
+        with self._lock:
+            rows = self.encoder.encode(inputs)
+        first = self.spec.first_row
+        image_rows = np.ascontiguousarray(rows[first : first + self.spec.num_image_tokens], np.float32)
+        return ImageEmbedding(image_rows, hashlib.sha256(pixels.tobytes()).digest())
+
+
+def place_images(
+    token_ids: Sequence[int], num_tokens: Sequence[int], image_token_id: int
+) -> tuple[list[int], npt.NDArray[np.int64]]:
+    """The prompt with each image's placeholder expanded to one token a row (`num_tokens`: each image's
+    rows), and the positions of every image row in it, in order. The prompt holds either one placeholder
+    per image (as a chat template writes it) or every image's tokens already; anything else is a
+    ValueError."""
+    at = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    total = sum(num_tokens)
+    if len(at) == total:
+        return list(token_ids), np.asarray(at, np.int64)
+    if len(at) != len(num_tokens):
+        raise ValueError(
+            f"the prompt has {len(at)} image placeholder tokens (id {image_token_id}) for {len(num_tokens)} "
+            f"images; put one placeholder where each image goes (or {total} in all, each image's tokens)"
+        )
+    expanded: list[int] = []
+    positions: list[int] = []
+    last = 0
+    for position, count in zip(at, num_tokens, strict=True):
+        expanded += token_ids[last:position]
+        positions += range(len(expanded), len(expanded) + count)
+        expanded += [image_token_id] * count
+        last = position + 1
+    expanded += token_ids[last:]
+    return expanded, np.asarray(positions, np.int64)
+
+
+def cache_key_ids(
+    token_ids: Sequence[int], positions: npt.NDArray[np.int64], images: Sequence[ImageEmbedding]
+) -> list[int]:
+    """The prompt's ids as the prefix cache hashes them: each image row's token replaced by a negative
+    number drawn from its image's digest (no token id is negative)."""
+    keyed = list(token_ids)
+    index = 0
+    for image in images:
+        key = -1 - int.from_bytes(image.digest[:7], "little")
+        for position in positions[index : index + image.num_tokens]:
+            keyed[int(position)] = key
+        index += image.num_tokens
+    return keyed
+
+
+def clip_encoder_inputs(
+    pixel_values: npt.NDArray[np.float32], patch_size: int, row_block: int = 1
+) -> dict[str, npt.NDArray[Any]]:
+    """The CLIP encoder's inputs for one image's [3, H, W] pixel values: `patches` [rows, 3 * p * p], a
+    zero row (the class token's) then each patch in raster order, flattened as the convolution's weight is
+    (channel, row, column); `position_ids` [rows]; `num_rows` [1]. Rows are padded with zeros (position
+    0) to a multiple of `row_block`."""
+    flat = flat_patches(pixel_values, patch_size)
+    real = flat.shape[0] + 1
+    rows = -(-real // row_block) * row_block
+    patches = np.zeros((rows, flat.shape[1]), np.float32)
+    patches[1:real] = flat
+    position_ids = np.zeros(rows, np.int64)
+    position_ids[:real] = np.arange(real)
+    return {"patches": patches, "position_ids": position_ids, "num_rows": np.array([real], np.int64)}
+
+
+def flat_patches(pixel_values: npt.NDArray[np.float32], patch_size: int) -> npt.NDArray[np.float32]:
+    """[3, H, W] as [patches, 3 * p * p]: raster order, each patch flattened as a patch-embedding
+    convolution's weight is (channel, row, column)."""
+    channels, height, width = pixel_values.shape
+    grid_h, grid_w = height // patch_size, width // patch_size
+    blocks = pixel_values.reshape(channels, grid_h, patch_size, grid_w, patch_size)
+    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(grid_h * grid_w, channels * patch_size * patch_size)
+    return np.ascontiguousarray(flat, dtype=np.float32)
+
+
+def template_content(parts: Sequence[str | None], image_token: str, template: str | None) -> str | list[Any]:
+    """A message's content parts (a text, or None for an image) as its chat template reads them: OpenAI's
+    list of parts ({"type": "image"} / {"type": "text", ...}) where the template handles image parts
+    itself; else one text, each image's placeholder on a line of its own first (vLLM's "string" form)."""
+    if template is not None and ("'image'" in template or '"image"' in template):
+        return [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
+    placeholders = [f"{image_token}\n" for part in parts if part is None]
+    return "".join(placeholders) + "\n".join(part for part in parts if part is not None)
