@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kiln.errors import ModelLoadError
-from kiln.frontend import llava
+from kiln.frontend import idefics3, llava
 from kiln.frontend.config import ModelConfig, config_from_hf
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
@@ -37,9 +37,10 @@ def load_hf_dir(path: Path) -> ModelSource:
     tokenizer = tokenizer_info_from_hf_dir(path)
     vision = None
     raw_config = _read_json(path / "config.json")
-    if llava.is_llava(raw_config):
-        vision = llava.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
-        raw_weights = llava.text_weights(raw_weights)
+    family = _vision_language_family(raw_config)
+    if family is not None:
+        vision = family.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
+        raw_weights = family.text_weights(raw_weights)
         config = dataclasses.replace(config, image_rows=True)
     weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
@@ -63,9 +64,20 @@ def read_config(path: Path) -> ModelConfig:
             hint="a HF checkpoint directory needs config.json; download the full model repository",
         )
     raw = _read_json(config_file)
-    if llava.is_llava(raw):
-        raw = llava.text_config(raw, str(config_file))
+    family = _vision_language_family(raw)
+    if family is not None:
+        raw = family.text_config(raw, str(config_file))
     return config_from_hf(raw, str(config_file))
+
+
+def _vision_language_family(config: dict[str, Any]) -> Any:
+    """The module reading a vision-language checkpoint of this config's architecture (llava.py,
+    idefics3.py), or None for a text model."""
+    families = {llava.ARCHITECTURE: llava, idefics3.ARCHITECTURE: idefics3}
+    for architecture in config.get("architectures") or []:
+        if architecture in families:
+            return families[architecture]
+    return None
 
 
 def _read_json(file: Path) -> dict[str, Any]:

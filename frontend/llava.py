@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.vision import VisionSource, llava_vision
+from kiln.frontend.vision import VisionSource, image_token_text, llava_vision
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -27,10 +27,6 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.multi_modal_projector.",
 )
-
-
-def is_llava(config: dict[str, Any]) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
 
 
 def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -70,14 +66,8 @@ def vision(
     path: Path, config: dict[str, Any], weights: dict[str, Weight], tokenizer_json: str
 ) -> VisionSource:
     """The checkpoint's image encoder, its placeholder named as the tokenizer spells it."""
-    from tokenizers import Tokenizer
-
-    token_id = config.get("image_token_index", config.get("image_token_id"))
-    token = Tokenizer.from_str(tokenizer_json).id_to_token(token_id) if isinstance(token_id, int) else None
-    if token is None:
-        raise ModelLoadError(
-            f"{path}: the tokenizer has no token {token_id!r} (the config's image_token_index)",
-            hint="the tokenizer and config.json are of different models",
-        )
+    token = image_token_text(
+        tokenizer_json, config.get("image_token_index", config.get("image_token_id")), path
+    )
     encoder = {name: tensor for name, tensor in weights.items() if name.startswith(_VISION_PREFIXES)}
     return llava_vision(path, config, encoder, token)

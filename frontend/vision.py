@@ -3,7 +3,8 @@ as a torch module with its weights, the types of its inputs, and what the runtim
 into the rows that take its placeholder tokens' places (runtime/vision.py's VisionSpec, written into the
 artifact's manifest as `vision`).
 
-Families so far: LLaVA (CLIP + MLP projector, `LlavaForConditionalGeneration` directories).
+Families: LLaVA (CLIP + MLP projector, `LlavaForConditionalGeneration` directories) and Idefics3 /
+SmolVLM (SigLIP over each tile + pixel shuffle + connector, `Idefics3ForConditionalGeneration`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
@@ -50,13 +52,10 @@ def llava_vision(
         from_llava_weights,
         input_types,
     )
-    from kiln.frontend.source import float32
-    from kiln.ir.deferred import materialize
 
     vision = ClipVisionConfig.from_llava(config)
     module = ClipVisionProjector(vision)
-    tensors = {name: materialize(float32(tensor)) for name, tensor in weights.items()}
-    module.load_state_dict(from_llava_weights(vision, tensors), strict=True)
+    module.load_state_dict(from_llava_weights(vision, _float32(weights)), strict=True)
     token_id = config.get("image_token_index", config.get("image_token_id"))
     if not isinstance(token_id, int):
         raise ModelLoadError(
@@ -78,7 +77,7 @@ def llava_vision(
 
 def read_preprocessor(path: Path) -> dict[str, Any]:
     """The directory's preprocessor_config.json, checked by the runtime's own reader of it."""
-    from kiln.runtime.image_processing import ImageProcessing, ImageProcessingError
+    from kiln.runtime.image_processing import ImageProcessingError, processing_of
 
     file = path / PREPROCESSOR_FILE
     if not file.is_file():
@@ -88,7 +87,55 @@ def read_preprocessor(path: Path) -> dict[str, Any]:
         )
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-        ImageProcessing.from_config(config)
+        processing_of(config)
     except (UnicodeDecodeError, json.JSONDecodeError, ImageProcessingError) as error:
         raise ModelLoadError(f"{file}: {error}") from None
     return dict(config)
+
+
+def idefics3_vision(
+    path: Path, config: dict[str, Any], weights: dict[str, Any], image_token: str
+) -> VisionSource:
+    """An Idefics3 directory's encoder: one tile's patches in, its image tokens' rows out."""
+    from kiln.frontend.models.idefics3_vision import (
+        Idefics3VisionConfig,
+        Idefics3VisionProjector,
+        from_idefics3_weights,
+        input_types,
+    )
+
+    vision = Idefics3VisionConfig.from_idefics3(config)
+    module = Idefics3VisionProjector(vision)
+    module.load_state_dict(from_idefics3_weights(vision, _float32(weights)), strict=True)
+    spec = VisionSpec(
+        family="idefics3",
+        inputs="siglip",
+        preprocessor=read_preprocessor(path),
+        image_token=image_token,
+        image_token_id=int(config["image_token_id"]),
+        num_image_tokens=vision.num_tokens,
+        first_row=0,
+        patch_size=vision.patch_size,
+        hidden_size=vision.text_hidden_size,
+    )
+    return VisionSource(spec, module, input_types(vision))
+
+
+def _float32(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from kiln.frontend.source import float32
+    from kiln.ir.deferred import materialize
+
+    return {name: materialize(float32(tensor)) for name, tensor in weights.items()}
+
+
+def image_token_text(tokenizer_json: str, token_id: Any, path: Path) -> str:
+    """The placeholder token's text, as the model's tokenizer spells its id."""
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_str(tokenizer_json).id_to_token(token_id) if isinstance(token_id, int) else None
+    if token is None:
+        raise ModelLoadError(
+            f"{path}: the tokenizer has no token {token_id!r} (the config's image token)",
+            hint="the tokenizer and config.json are of different models",
+        )
+    return token

@@ -382,15 +382,18 @@ def load_artifact(
             f"again with --tensor-parallel-size {tensor_parallel_size}",
         )
     executable = load_ranks(entry["backend"], chosen, folder, rank_entries(entry))
-    vision = _load_vision(folder, manifest, chosen)
     fields = dict(manifest["tokenizer"])
     fields["tokenizer_json"] = (folder / TOKENIZER_FILE).read_text()
     template = folder / CHAT_TEMPLATE_FILE
     fields["chat_template"] = template.read_text() if template.is_file() else None
-    return LoadedArtifact(folder, manifest, chosen, executable, Tokenizer.from_dict(fields), vision)
+    tokenizer = Tokenizer.from_dict(fields)
+    vision = _load_vision(folder, manifest, chosen, tokenizer)
+    return LoadedArtifact(folder, manifest, chosen, executable, tokenizer, vision)
 
 
-def _load_vision(folder: Path, manifest: dict[str, Any], target: Target) -> VisionModel | None:
+def _load_vision(
+    folder: Path, manifest: dict[str, Any], target: Target, tokenizer: Tokenizer
+) -> VisionModel | None:
     """The image encoder of a vision-language model's artifact for `target`; None for a text-only one."""
     entry = manifest["targets"][target.name]
     encoder = entry.get("encoder")
@@ -402,7 +405,7 @@ def _load_vision(folder: Path, manifest: dict[str, Any], target: Target) -> Visi
     except (OSError, WeightsFileError) as error:
         raise ArtifactError(f"{path}: cannot read the image encoder's weights ({error})") from None
     loaded = get_backend(entry["backend"]).load_encoder(folder / encoder["folder"], weights, target)
-    return VisionModel(VisionSpec.from_dict(manifest["vision"]), loaded)
+    return VisionModel(VisionSpec.from_dict(manifest["vision"]), loaded, tokenizer)
 
 
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay (re-read on next use)

@@ -202,8 +202,8 @@ class LLMEngine:
         if self.vision is None:
             raise ValueError("this model takes text only: a prompt may not hold images")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        counts = [image.num_tokens for image in images]
-        expanded, positions = place_images(token_ids, counts, self.vision.spec.image_token_id)
+        placeholders = [image.placeholder for image in images]
+        expanded, positions = place_images(token_ids, placeholders, self.vision.spec.image_token_id)
         rows = np.concatenate([image.rows for image in images]).astype(np.float32, copy=False)
         return expanded, PromptImages(rows, positions, cache_key_ids(expanded, positions, images))
 

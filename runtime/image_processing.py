@@ -246,3 +246,11 @@ def idefics3_image_text(rows: int, cols: int, image_seq_len: int, image_token: s
             text += fake + f"<row_{row + 1}_col_{col + 1}>" + image_token * image_seq_len
         text += "\n"
     return text + "\n" + fake + global_tag + image_token * image_seq_len + fake
+
+
+def processing_of(config: dict[str, Any]) -> ImageProcessing | TiledImageProcessing:
+    """The preprocessing a preprocessor_config.json describes: tiled (Idefics3's) or not."""
+    kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
+    if kind in TILED_PROCESSORS:
+        return TiledImageProcessing.from_config(config)
+    return ImageProcessing.from_config(config)

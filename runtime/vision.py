@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.runtime.image_processing import ImageProcessing
+from kiln.runtime.image_processing import TiledImageProcessing, idefics3_image_text, processing_of
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from kiln.backends.base import ImageEncoder
+    from kiln.runtime.tokenizer import Tokenizer
 
 ROW_BLOCK = 4  # the encoder's rows are padded to a multiple of this (TVM computes rows in blocks of 4)
-INPUT_KINDS = ("clip",)
+INPUT_KINDS = ("clip", "siglip")  # a class-token row then the patches (clip_encoder_inputs); the patches
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,12 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class ImageEmbedding:
-    """One image's rows [num_tokens, hidden] (float32) and the sha256 of its pixel values."""
+    """One image's rows [num_tokens, hidden] (float32), the sha256 of its pixel values, and the token ids
+    that take the place of its one placeholder token in a prompt (holding the image token once a row)."""
 
     rows: npt.NDArray[np.float32]
     digest: bytes
+    placeholder: tuple[int, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -72,54 +75,87 @@ class ImageEmbedding:
 
 
 class VisionModel:
-    """Images → embeddings with a compiled encoder; any thread may call `embed` (one image at a time)."""
+    """Images → embeddings with a compiled encoder; any thread may call `embed` (one image at a time).
+    `tokenizer`: the model's, for a family whose placeholder text depends on the image (Idefics3's
+    tiles)."""
 
-    def __init__(self, spec: VisionSpec, encoder: ImageEncoder) -> None:
+    def __init__(self, spec: VisionSpec, encoder: ImageEncoder, tokenizer: Tokenizer | None = None) -> None:
         if spec.inputs not in INPUT_KINDS:
             raise ValueError(f"encoder inputs {spec.inputs!r} are not one of {INPUT_KINDS}")
         self.spec = spec
         self.encoder = encoder
-        self.processing = ImageProcessing.from_config(spec.preprocessor)
+        self.tokenizer = tokenizer
+        self.processing = processing_of(spec.preprocessor)
         self._lock = threading.Lock()
 
-    def pixel_values(self, image: Image.Image) -> npt.NDArray[np.float32]:
-        return self.processing.pixel_values(image)
+    def pixel_values(self, image: Image.Image) -> list[npt.NDArray[np.float32]]:
+        """The pixel values the encoder runs on: the image's, or (a tiled family) each tile's then the
+        whole image's."""
+        return self._tiles(image)[0]
+
+    def placeholder(self, image: Image.Image) -> tuple[int, ...]:
+        """The token ids an image's one placeholder becomes."""
+        _, rows, cols = self._tiles(image)
+        return self._placeholder(rows, cols)
 
     def embed(self, image: Image.Image) -> ImageEmbedding:
-        pixels = self.pixel_values(image)
-        inputs = clip_encoder_inputs(pixels, self.spec.patch_size, ROW_BLOCK)
-        with self._lock:
-            rows = self.encoder.encode(inputs)
-        first = self.spec.first_row
-        image_rows = np.ascontiguousarray(rows[first : first + self.spec.num_image_tokens], np.float32)
-        return ImageEmbedding(image_rows, hashlib.sha256(pixels.tobytes()).digest())
+        tiles, rows, cols = self._tiles(image)
+        spec = self.spec
+        parts = []
+        for pixels in tiles:
+            if spec.inputs == "clip":
+                inputs = clip_encoder_inputs(pixels, spec.patch_size, ROW_BLOCK)
+            else:
+                inputs = {"patches": flat_patches(pixels, spec.patch_size)}
+            with self._lock:
+                encoded = self.encoder.encode(inputs)
+            parts.append(encoded[spec.first_row : spec.first_row + spec.num_image_tokens])
+        digest = hashlib.sha256()
+        for pixels in tiles:
+            digest.update(pixels.tobytes())
+        image_rows = np.ascontiguousarray(np.concatenate(parts), np.float32)
+        return ImageEmbedding(image_rows, digest.digest(), self._placeholder(rows, cols))
+
+    def _tiles(self, image: Image.Image) -> tuple[list[npt.NDArray[np.float32]], int, int]:
+        if isinstance(self.processing, TiledImageProcessing):
+            return self.processing.tiles(image)
+        return [self.processing.pixel_values(image)], 0, 0
+
+    def _placeholder(self, rows: int, cols: int) -> tuple[int, ...]:
+        spec = self.spec
+        if not isinstance(self.processing, TiledImageProcessing):
+            return (spec.image_token_id,) * spec.num_image_tokens
+        if self.tokenizer is None:
+            raise ValueError("a tiled image's placeholder text needs the model's tokenizer")
+        text = idefics3_image_text(rows, cols, spec.num_image_tokens, spec.image_token)
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def place_images(
-    token_ids: Sequence[int], num_tokens: Sequence[int], image_token_id: int
+    token_ids: Sequence[int], placeholders: Sequence[Sequence[int]], image_token_id: int
 ) -> tuple[list[int], npt.NDArray[np.int64]]:
-    """The prompt with each image's placeholder expanded to one token a row (`num_tokens`: each image's
-    rows), and the positions of every image row in it, in order. The prompt holds either one placeholder
-    per image (as a chat template writes it) or every image's tokens already; anything else is a
-    ValueError."""
+    """The prompt with each image's one placeholder token replaced by its `placeholders` ids (which hold
+    the image token once a row), and the positions of every image row in it, in order. The prompt holds
+    either one placeholder per image (as a chat template writes it) or every image's ids already; anything
+    else is a ValueError."""
     at = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    total = sum(num_tokens)
+    total = sum(sum(1 for token in ids if token == image_token_id) for ids in placeholders)
     if len(at) == total:
         return list(token_ids), np.asarray(at, np.int64)
-    if len(at) != len(num_tokens):
+    if len(at) != len(placeholders):
         raise ValueError(
-            f"the prompt has {len(at)} image placeholder tokens (id {image_token_id}) for {len(num_tokens)} "
-            f"images; put one placeholder where each image goes (or {total} in all, each image's tokens)"
+            f"the prompt has {len(at)} image placeholder tokens (id {image_token_id}) for "
+            f"{len(placeholders)} images; put one placeholder where each image goes (or {total} in all, "
+            "each image's tokens)"
         )
     expanded: list[int] = []
-    positions: list[int] = []
     last = 0
-    for position, count in zip(at, num_tokens, strict=True):
+    for position, ids in zip(at, placeholders, strict=True):
         expanded += token_ids[last:position]
-        positions += range(len(expanded), len(expanded) + count)
-        expanded += [image_token_id] * count
+        expanded += ids
         last = position + 1
     expanded += token_ids[last:]
+    positions = [i for i, token in enumerate(expanded) if token == image_token_id]
     return expanded, np.asarray(positions, np.int64)
 
 

@@ -184,7 +184,7 @@ class OpenAIServing:
         """The engine's own validation, as a 400 naming the field; a prompt that leaves no room for
         output is `context_length_exceeded`. `images`: the prompt's, each placeholder then expanded."""
         if images:
-            token_ids = self.expand_images(token_ids, [image.num_tokens for image in images], prompt_param)
+            token_ids = self.expand_images(token_ids, [image.placeholder for image in images], prompt_param)
         if len(token_ids) >= self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -201,11 +201,14 @@ class OpenAIServing:
             raise bad_request(message, param, code) from None
         return Prepared(ids, params, priority, list(images))
 
-    def expand_images(self, token_ids: list[int], num_tokens: Sequence[int], param: str) -> list[int]:
+    def expand_images(
+        self, token_ids: list[int], placeholders: Sequence[Sequence[int]], param: str
+    ) -> list[int]:
+        """Each image's placeholder token replaced by its ids (runtime/vision.py `place_images`)."""
         vision = self.engine.vision
         assert vision is not None
         try:
-            expanded, _ = place_images(token_ids, num_tokens, vision.spec.image_token_id)
+            expanded, _ = place_images(token_ids, placeholders, vision.spec.image_token_id)
         except ValueError as error:
             raise bad_request(str(error), param) from None
         return expanded

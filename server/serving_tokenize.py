@@ -36,9 +36,7 @@ class OpenAIServingTokenization(OpenAIServing):
             if images:  # each image's placeholder stands for its rows' tokens
                 vision = self.engine.vision
                 assert vision is not None
-                token_ids = self.expand_images(
-                    token_ids, [vision.spec.num_image_tokens] * len(images), "messages"
-                )
+                token_ids = self.expand_images(token_ids, [vision.placeholder(i) for i in images], "messages")
         else:
             special = True if request.add_special_tokens is None else request.add_special_tokens
             token_ids = self.encode(request.prompt or "", "prompt", add_special_tokens=special)

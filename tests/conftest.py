@@ -628,6 +628,78 @@ TINY_LLAVA_CHAT_TEMPLATE = (
 )
 
 
+IDEFICS3_SPECIAL = [
+    "<fake_token_around_image>",
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
+    "<end_of_utterance>",
+    "<image>",
+]  # ids 280..299
+
+
+def save_tiny_idefics3(folder: Path) -> Any:
+    """A random-weight Idefics3ForConditionalGeneration (SigLIP over 32 x 32 tiles of 4 x 4 patches, pixel
+    shuffle by 2: 16 tokens a tile; a 2-layer Llama of 300 tokens, image token 299) saved at `folder` with
+    a whitespace tokenizer (words t1..t279, Idefics3's special tokens 280..299), a chat template and an
+    Idefics3 image processor (images up to 64 pixels a side: at most 2 x 2 tiles and the whole image);
+    returns (model, transformers' Idefics3Processor)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        image_size=32,
+        patch_size=4,
+    )
+    text = transformers.LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=300,
+        eos_token_id=298,
+    )
+    config = transformers.Idefics3Config(
+        vision_config=vision, text_config=text, scale_factor=2, image_token_id=299, eos_token_id=298
+    )
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random norms and biases too, so a wrong mapping shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 280)}}
+    vocab |= {token: 280 + i for i, token in enumerate(IDEFICS3_SPECIAL)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        unk_token="<unk>",
+        eos_token="<end_of_utterance>",
+        additional_special_tokens=IDEFICS3_SPECIAL,
+    )
+    tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    images = transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+    )
+    images.save_pretrained(folder)
+    processor = transformers.Idefics3Processor(images, tokenizer, image_seq_len=16)
+    return model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3() -> Callable[..., Any]:
+    return save_tiny_idefics3
+
+
 @pytest.fixture(scope="session")
 def tiny_llava() -> Callable[..., Any]:
     return save_tiny_llava

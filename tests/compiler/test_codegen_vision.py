@@ -44,7 +44,7 @@ def test_the_encoder_is_compiled_beside_the_step_for_each_target(
     config, program = llava_encoder(tmp_path / "hf")
     image = Image.fromarray(np.random.default_rng(2).integers(0, 255, (31, 29, 3), dtype=np.uint8))
     embedding = artifact.vision.embed(image)
-    pixels = artifact.vision.pixel_values(image)
+    (pixels,) = artifact.vision.pixel_values(image)
     (rows,) = interpret(
         program.graph, program.weights, clip_encoder_inputs(pixels, config.patch_size, ROW_BLOCK)
     )

@@ -26,21 +26,21 @@ def image(seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (30, 36, 3), dtype=np.uint8))
 
 
-def test_one_placeholder_an_image_expands_to_its_rows() -> None:
-    ids, positions = place_images([1, 9, 2, 9, 3], [2, 3], image_token_id=9)
-    assert ids == [1, 9, 9, 2, 9, 9, 9, 3] and positions.tolist() == [1, 2, 4, 5, 6]
-    already, at = place_images(ids, [2, 3], image_token_id=9)  # expanded already: as it is
+def test_one_placeholder_an_image_expands_to_its_ids() -> None:
+    ids, positions = place_images([1, 9, 2, 9, 3], [(9, 9), (7, 9, 9, 9, 7)], image_token_id=9)
+    assert ids == [1, 9, 9, 2, 7, 9, 9, 9, 7, 3] and positions.tolist() == [1, 2, 5, 6, 7]
+    already, at = place_images(ids, [(9, 9), (7, 9, 9, 9, 7)], image_token_id=9)  # expanded already
     assert already == ids and at.tolist() == positions.tolist()
     with pytest.raises(ValueError, match=r"2 image placeholder tokens .* for 3 images"):
-        place_images([1, 9, 9], [4, 4, 4], image_token_id=9)
+        place_images([1, 9, 9], [(9,) * 4] * 3, image_token_id=9)
 
 
 def test_the_cache_keys_an_images_tokens_by_its_content() -> None:
     rows = np.zeros((2, 4), np.float32)
-    ids, at = place_images([1, 9, 2], [2], 9)
-    one = cache_key_ids(ids, at, [ImageEmbedding(rows, b"a" * 32)])
-    same = cache_key_ids(ids, at, [ImageEmbedding(rows + 1, b"a" * 32)])
-    other = cache_key_ids(ids, at, [ImageEmbedding(rows, b"b" * 32)])
+    ids, at = place_images([1, 9, 2], [(9, 9)], 9)
+    one = cache_key_ids(ids, at, [ImageEmbedding(rows, b"a" * 32, (9, 9))])
+    same = cache_key_ids(ids, at, [ImageEmbedding(rows + 1, b"a" * 32, (9, 9))])
+    other = cache_key_ids(ids, at, [ImageEmbedding(rows, b"b" * 32, (9, 9))])
     assert one == same != other and one[0] == 1 and one[3] == 2 and min(one) < 0
 
 
