@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -106,9 +107,13 @@ def optimize(
 
 
 def build_program(
-    model: str, options: PipelineOptions | None = None, progress: Progress | None = None
+    model: str,
+    options: PipelineOptions | None = None,
+    progress: Progress | None = None,
+    mmproj: Path | None = None,
 ) -> BuiltProgram:
-    """Load `model` (a known name, a GGUF file or a HF directory), capture it, run the pass pipeline."""
+    """Load `model` (a known name, a GGUF file or a HF directory; `mmproj`: a GGUF's image encoder),
+    capture it, run the pass pipeline."""
     options = options or PipelineOptions()
     seconds: dict[str, float] = {}
 
@@ -118,7 +123,7 @@ def build_program(
             progress(stage, took)
 
     start = time.perf_counter()
-    source = load_model(model)
+    source = load_model(model, mmproj)
     loaded = time.perf_counter()
     weights = source.float_weights()
     timed("load", time.perf_counter() - start)

@@ -19,7 +19,7 @@ from pathlib import Path
 from kiln.backends.registry import get_backend
 from kiln.compiler.apart import compile_apart
 from kiln.compiler.plan import Plan
-from kiln.compiler.source_digest import source_digest
+from kiln.compiler.source_digest import model_digest
 from kiln.console import Progress
 from kiln.frontend.pull import kiln_home, resolve_model
 from kiln.runtime.artifact import ArtifactError, LoadedArtifact, is_artifact, load_artifact
@@ -56,7 +56,7 @@ def compiler_digest() -> str:
 def cache_key(plan: Plan) -> str:
     logs = plan.tuning_logs
     key_parts = {
-        "source": source_digest(resolve_model(plan.model)),
+        "source": model_digest(resolve_model(plan.model), plan.mmproj),
         "options": plan.compiled(),
         "targets": [t.name for t in plan.targets],
         "num_threads": plan.options.num_threads,

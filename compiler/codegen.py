@@ -31,7 +31,7 @@ from kiln.backends.targets import Target, mismatch
 from kiln.build import Progress, build_program, rank_programs
 from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
-from kiln.compiler.source_digest import source_digest
+from kiln.compiler.source_digest import model_digest
 from kiln.frontend.pull import resolve_model
 from kiln.ir import DTYPES, Program, print_graph
 from kiln.ir.deferred import materialize
@@ -192,9 +192,9 @@ def compile_model(
         if progress is not None:
             progress(name, took)
 
-    digest = source_digest(resolve_model(plan.model))
+    digest = model_digest(resolve_model(plan.model), plan.mmproj)
     pipeline = plan.pipeline(limits.max_model_len)
-    built = build_program(plan.model, pipeline, stage)
+    built = build_program(plan.model, pipeline, stage, plan.mmproj)
     program, source = built.program, built.source
     programs = [program, *rank_programs(built, pipeline)]
     scratch = scratch_beside(out)

@@ -141,6 +141,13 @@ class ModelOptions:
             commands=frozenset({"serve", "generate"}),
         ).metadata,
     )
+    mmproj: str | None = field(
+        default=None,
+        metadata=Flag(
+            "a GGUF model's image encoder, as llama.cpp's converter writes it (--mmproj): the model then "
+            "takes images (Idefics3 / SmolVLM, Gemma 3 files)",
+        ).metadata,
+    )
     tuning_logs: str | None = field(
         default=None,
         metadata=Flag(

@@ -47,6 +47,11 @@ class Plan:
         return self.options.model
 
     @property
+    def mmproj(self) -> Path | None:
+        """A GGUF model's image-encoder file (--mmproj), if one was given."""
+        return Path(self.options.mmproj) if self.options.mmproj is not None else None
+
+    @property
     def tuning_logs(self) -> Path | None:
         """--tuning-logs: a folder, "none", or unset for kiln's own (for TVM, the backend that reads them)."""
         logs = self.options.tuning_logs

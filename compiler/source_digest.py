@@ -17,3 +17,11 @@ def source_digest(path: Path) -> str:
         digest.update(file.relative_to(path if path.is_dir() else path.parent).as_posix().encode() + b"\0")
         digest.update(file_digest(file, digest_records()).encode())
     return digest.hexdigest()
+
+
+def model_digest(model: Path, mmproj: Path | None = None) -> str:
+    """The sha256 of a model's files and, where it has one, its separate image-encoder file."""
+    digest = source_digest(model)
+    if mmproj is None:
+        return digest
+    return hashlib.sha256(f"{digest}\n{source_digest(mmproj)}".encode()).hexdigest()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.frontend.vision import VisionSource, idefics3_vision, image_token_text
+from kiln.frontend.vision import VisionSource, idefics3_vision, image_token_text, read_preprocessor
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "Idefics3ForConditionalGeneration"
@@ -47,4 +47,4 @@ def vision(
     token_id = config.get("image_token_id")
     token = image_token_text(tokenizer_json, token_id, path)
     encoder = {name: tensor for name, tensor in weights.items() if name.startswith(_VISION_PREFIXES)}
-    return idefics3_vision(path, config, encoder, token)
+    return idefics3_vision(config, encoder, read_preprocessor(path), token, int(token_id))

@@ -13,14 +13,25 @@ if TYPE_CHECKING:
     from kiln.frontend.source import ModelSource
 
 
-def load_model(name_or_path: str) -> ModelSource:
-    """Load a known model name (pulled if needed), a `.gguf` file, or a model directory."""
+def load_model(name_or_path: str, mmproj: Path | None = None) -> ModelSource:
+    """Load a known model name (pulled if needed), a `.gguf` file (`mmproj`: its image encoder, as
+    llama.cpp's converter writes it), or a model directory."""
     path = resolve_model(name_or_path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
         from kiln.frontend.gguf_loader import load_gguf  # the loaders (torch) only for a load
 
-        return load_gguf(gguf_file)
+        source = load_gguf(gguf_file)
+        if mmproj is not None:
+            from kiln.frontend.vision import with_mmproj
+
+            source = with_mmproj(source, mmproj)
+        return source
+    if mmproj is not None:
+        raise ModelLoadError(
+            f"{path}: --mmproj goes with a GGUF model file",
+            hint="a HF directory of a vision-language model holds its own image encoder; drop --mmproj",
+        )
     if path.is_dir():
         return _load_dir(path)
     raise ModelLoadError(

@@ -52,6 +52,7 @@ class MmprojEncoder:
     kind: str  # the projector type: one of PROJECTORS
     config: dict[str, Any]  # as the family's config.json has it (vision_config, text_config, ...)
     tensors: dict[str, torch.Tensor]  # HF names: vision_tower.*, multi_modal_projector.* / connector.*
+    preprocessor: dict[str, Any]  # as the family's preprocessor_config.json has it
 
 
 def read_mmproj(path: Path) -> MmprojEncoder:
@@ -73,7 +74,32 @@ def read_mmproj(path: Path) -> MmprojEncoder:
     norm = "multi_modal_projector.mm_soft_emb_norm.weight"
     if norm in tensors:
         tensors[norm] = tensors[norm] - 1.0
-    return MmprojEncoder(kind, _config(reader, kind, where), tensors)
+    config = _config(reader, kind, where)
+    return MmprojEncoder(kind, config, tensors, _preprocessor(reader, kind, config["vision_config"]))
+
+
+def _preprocessor(reader: Any, kind: str, vision: dict[str, Any]) -> dict[str, Any]:
+    """The image processor's settings the file keeps (size, mean, std), the rest its family's defaults."""
+    size = int(vision["image_size"])
+    common = {
+        "image_mean": list(field_value(reader, "clip.vision.image_mean") or (0.5, 0.5, 0.5)),
+        "image_std": list(field_value(reader, "clip.vision.image_std") or (0.5, 0.5, 0.5)),
+        "rescale_factor": 1 / 255,
+    }
+    if kind == "gemma3":
+        return common | {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "size": {"height": size, "width": size},
+            "resample": 2,
+        }
+    longest = int(field_value(reader, "clip.vision.preproc_image_size") or size)
+    return common | {
+        "image_processor_type": "Idefics3ImageProcessor",
+        "size": {"longest_edge": longest},
+        "max_image_size": {"longest_edge": size},
+        "do_image_splitting": True,
+        "resample": 1,
+    }
 
 
 def _hf_name(name: str) -> str | None:

@@ -9,10 +9,11 @@ SmolVLM (SigLIP over each tile + pixel shuffle + connector, `Idefics3ForConditio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.ir import Program, TensorType
 from kiln.runtime.vision import VisionSpec
+
+if TYPE_CHECKING:
+    from kiln.frontend.source import ModelSource
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 ENCODE_IMAGE = "encode_image"
@@ -94,9 +98,14 @@ def read_preprocessor(path: Path) -> dict[str, Any]:
 
 
 def idefics3_vision(
-    path: Path, config: dict[str, Any], weights: dict[str, Any], image_token: str
+    config: dict[str, Any],
+    weights: dict[str, Any],
+    preprocessor: dict[str, Any],
+    image_token: str,
+    image_token_id: int,
 ) -> VisionSource:
-    """An Idefics3 directory's encoder: one tile's patches in, its image tokens' rows out."""
+    """An Idefics3 encoder (a directory's or an mmproj file's): one tile's patches in, its image tokens'
+    rows out."""
     from kiln.frontend.models.idefics3_vision import (
         Idefics3VisionConfig,
         Idefics3VisionProjector,
@@ -110,9 +119,9 @@ def idefics3_vision(
     spec = VisionSpec(
         family="idefics3",
         inputs="siglip",
-        preprocessor=read_preprocessor(path),
+        preprocessor=preprocessor,
         image_token=image_token,
-        image_token_id=int(config["image_token_id"]),
+        image_token_id=image_token_id,
         num_image_tokens=vision.num_tokens,
         first_row=0,
         patch_size=vision.patch_size,
@@ -139,3 +148,36 @@ def image_token_text(tokenizer_json: str, token_id: Any, path: Path) -> str:
             hint="the tokenizer and config.json are of different models",
         )
     return token
+
+
+MMPROJ_IMAGE_TOKEN = "<image>"  # the placeholder an Idefics3 / SmolVLM vocabulary has
+
+
+def with_mmproj(source: ModelSource, path: Path) -> ModelSource:
+    """A GGUF model with the image encoder llama.cpp's converter wrote beside it (--mmproj)."""
+    from kiln.frontend.mmproj import read_mmproj
+
+    encoder = read_mmproj(path)
+    if encoder.kind != "idefics3":
+        raise ModelLoadError(
+            f"{path}: a {encoder.kind} image encoder; serving one from an mmproj file is built for idefics3 "
+            "(SmolVLM) so far",
+            hint="compile the model's HF directory instead, or use a SmolVLM GGUF and its mmproj",
+        )
+    width = int(encoder.config["text_config"]["hidden_size"])
+    if width != source.config.hidden_size:
+        raise ModelLoadError(
+            f"{path}: the encoder's rows are {width} wide, the model's hidden size is "
+            f"{source.config.hidden_size}",
+            hint="pass the mmproj file converted from the same model",
+        )
+    from tokenizers import Tokenizer
+
+    token_id = Tokenizer.from_str(source.tokenizer.tokenizer_json).token_to_id(MMPROJ_IMAGE_TOKEN)
+    if token_id is None:
+        raise ModelLoadError(f"{source.path}: the vocabulary has no {MMPROJ_IMAGE_TOKEN} token for images")
+    vision = idefics3_vision(
+        encoder.config, encoder.tensors, encoder.preprocessor, MMPROJ_IMAGE_TOKEN, token_id
+    )
+    config = dataclasses.replace(source.config, image_rows=True)
+    return dataclasses.replace(source, config=config, vision=vision)

@@ -370,6 +370,7 @@ class ChatCompletionRequest(SamplingExtras):
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: each logprob's token as "token_id:<id>"
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     # vLLM extras

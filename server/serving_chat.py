@@ -266,15 +266,18 @@ class OpenAIServingChat(OpenAIServing):
             best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:num_top]
             content.append(
                 ChatCompletionTokenLogprob(
-                    **self._entry(token_id, top.get(token_id)),
-                    top_logprobs=[TopLogprob(**self._entry(t, lp)) for t, lp in best],
+                    **self._entry(token_id, top.get(token_id), request.return_tokens_as_token_ids),
+                    top_logprobs=[
+                        TopLogprob(**self._entry(t, lp, request.return_tokens_as_token_ids)) for t, lp in best
+                    ],
                 )
             )
         return ChatCompletionLogProbs(content=content)
 
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, object]:
+    def _entry(self, token_id: int, logprob: float | None, as_id: bool = False) -> dict[str, object]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        token = f"token_id:{token_id}" if as_id else text
+        return {"token": token, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _finish_reason(tools: ToolPlan, reason: str | None, called: bool) -> str | None:

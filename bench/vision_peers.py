@@ -1,0 +1,268 @@
+"""One image, Kiln against llama.cpp's mtmd on the same GGUF and mmproj: `kiln serve TEXT.gguf --mmproj
+MMPROJ.gguf` and `llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`, one after the other, 2 threads each.
+
+    .venv/bin/python bench/vision_peers.py [--shape 256m|tiny] [--runs 5] [--threads 2]
+        [--record tests/fixtures/smolvlm_tiny_llama_cpp.json]
+
+The model is SmolVLM-shaped with random weights (scripts/make_smolvlm.py: "256m" has SmolVLM-256M's
+shapes, SigLIP-base at 512 x 512 and a 30-layer Llama of width 576), converted by llama.cpp's own
+converter; made once under $KILN_HOME/bench-vision/<shape>. Each run sends a new image (so neither
+server's prompt cache helps) with a short text as a streamed chat completion, greedy, 16 tokens.
+
+Per server: time to first token (client side, median), the image's encode time (Kiln: the artifact's
+`encode_image` over the image's tiles in this process after the servers stop; llama.cpp: from its
+log, the time from "encoding mtmd batch" to the image batch's decode), cold start, peak RSS. The two
+servers' greedy tokens are compared (llama-server's logprobs give its token ids); any difference is an
+error. `--record` writes llama-server's tokens for each image (the fixture tests/frontend/
+test_vision_gguf.py checks Kiln against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import io
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import make_smolvlm  # scripts/make_smolvlm.py
+from serve_peers import KILN, LLAMA_SERVER, free_port, start, stop  # bench/serve_peers.py
+
+PROMPT = "abc"
+SERVED = ["--served-model-name", "bench"]
+MAX_TOKENS = 16
+IMAGE_SIZES = {"tiny": (50, 40), "256m": (512, 384)}  # width, height
+_STAMP = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")  # llama.cpp's log: minutes.seconds.ms.us
+
+
+def model_files(shape: str) -> tuple[Path, Path]:
+    from kiln.frontend.pull import kiln_home
+
+    folder = kiln_home() / "bench-vision" / shape
+    text, mmproj = folder / "text.gguf", folder / "mmproj.gguf"
+    if not (text.is_file() and mmproj.is_file()):
+        make_smolvlm.save_smolvlm(folder / "hf", shape)
+        make_smolvlm.convert(make_smolvlm.llama_cpp_source(), folder / "hf", folder)
+    return text, mmproj
+
+
+def image(shape: str, seed: int) -> Image.Image:
+    width, height = IMAGE_SIZES[shape]
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(picture: Image.Image) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def request(picture: Image.Image, stream: bool) -> dict[str, Any]:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(picture)}},
+        {"type": "text", "text": PROMPT},
+    ]
+    body: dict[str, Any] = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if not stream:
+        body |= {"logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    return body
+
+
+def first_token_s(port: int, picture: Image.Image) -> float:
+    """Seconds to the first streamed token of a chat completion with `picture`."""
+    started = time.perf_counter()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with httpx.stream("POST", url, json=request(picture, True), timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    if choice.get("delta", {}).get("content"):
+                        return time.perf_counter() - started
+    return float("nan")
+
+
+def greedy_ids(port: int, picture: Image.Image, llama_cpp: bool) -> list[int]:
+    """The greedy token ids for `picture` and PROMPT: Kiln's chat completion naming them as vLLM does
+    (return_tokens_as_token_ids); llama-server's /completion with its media marker where the chat
+    template puts the image (its chat logprobs leave out tokens that end mid-character)."""
+    if llama_cpp:
+        marker = httpx.get(f"http://127.0.0.1:{port}/props", timeout=60).json()["media_marker"]
+        prompt = {"prompt_string": f"User:{marker}{PROMPT}<end_of_utterance>\nAssistant:"}
+        prompt["multimodal_data"] = [data_url(picture).split(",", 1)[1]]  # type: ignore[assignment]
+        body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        body |= {"return_tokens": True, "cache_prompt": False}
+        reply = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=600)
+        reply.raise_for_status()
+        return list(reply.json()["tokens"])
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    reply = httpx.post(url, json=request(picture, False), timeout=600)
+    reply.raise_for_status()
+    entries = reply.json()["choices"][0]["logprobs"]["content"]
+    return [int(entry["token"].split(":")[1]) for entry in entries]
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def llama_cpp_encode_ms(log: Path) -> list[float]:
+    """Per request: the ms its image chunks (tiles) took to encode, each from its "encoding mtmd batch"
+    line to its "decoding image batch" line."""
+
+    def seconds(line: str) -> float:
+        match = _STAMP.match(line)
+        assert match is not None
+        minutes, secs, millis, micros = (int(group) for group in match.groups())
+        return minutes * 60 + secs + millis / 1e3 + micros / 1e6
+
+    encodes: list[float] = []
+    total, started = 0.0, None
+    for line in log.read_text(errors="replace").splitlines():
+        if not _STAMP.match(line):
+            continue
+        if "encoding mtmd batch" in line:
+            started = seconds(line)
+        elif "decoding image batch" in line and started is not None:
+            total += seconds(line) - started
+            started = None
+        elif "prompt eval time" in line:
+            encodes.append(total * 1000)
+            total = 0.0
+    return encodes
+
+
+def run_server(name: str, command: list[str], port: int, shape: str, runs: int, log: Path) -> dict[str, Any]:
+    process, cold = start(command, port, log)
+    try:
+        first_token_s(port, image(shape, 1000))  # warm: first-request costs (allocations) not timed
+        ttfts = [first_token_s(port, image(shape, seed)) for seed in range(runs)]
+        tokens = [greedy_ids(port, image(shape, seed), "llama" in name) for seed in range(runs)]
+        rss = peak_rss_mib(process.pid)
+    finally:
+        stop(process)
+    return {
+        "name": name,
+        "cold_start_s": cold,
+        "ttft_s": statistics.median(ttfts),
+        "tokens": tokens,
+        "peak_rss_mib": rss,
+    }
+
+
+def kiln_encode_ms(text: Path, mmproj: Path, shape: str, runs: int) -> float:
+    from kiln.llm import LLM
+
+    llm = LLM(str(text), mmproj=str(mmproj), show_progress=False)
+    vision = llm.artifact.vision
+    assert vision is not None
+    vision.embed(image(shape, 1000))
+    times = []
+    for seed in range(runs):
+        picture = image(shape, seed)
+        started = time.perf_counter()
+        vision.embed(picture)
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(make_smolvlm.SHAPES), default="256m")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--record", type=Path, default=None, help="write llama-server's greedy tokens here")
+    args = parser.parse_args()
+    text, mmproj = model_files(args.shape)
+    subprocess.run(  # compile into the cache before anything is timed
+        [*KILN, "generate", str(text), "--mmproj", str(mmproj), "--prompt", "Hi", "--max-tokens", "1"],
+        check=True,
+    )
+    work = text.parent
+    port = free_port()
+    kiln = run_server(
+        "kiln serve",
+        [*KILN, "serve", str(text), "--mmproj", str(mmproj), "--port", str(port), *SERVED],
+        port,
+        args.shape,
+        args.runs,
+        work / "kiln.log",
+    )
+    llama_command = [str(LLAMA_SERVER), "-m", str(text), "--mmproj", str(mmproj), "-t", str(args.threads)]
+    llama_command += ["-c", "4096", "--port", str(port), "--alias", "bench", "-lv", "4"]
+    llama = run_server(
+        f"llama-server -t {args.threads}", llama_command, port, args.shape, args.runs, work / "llama.log"
+    )
+    kiln["encode_ms"] = kiln_encode_ms(text, mmproj, args.shape, args.runs)
+    # requests whose image was encoded (a repeat of the same image is served from llama-server's
+    # prompt cache), the warm-up image's first
+    encodes = [ms for ms in llama_cpp_encode_ms(work / "llama.log") if ms > 0][1:]
+    llama["encode_ms"] = statistics.median(encodes) if encodes else float("nan")
+
+    print(
+        f"\nSmolVLM-shaped ({args.shape}, random weights), one {IMAGE_SIZES[args.shape]} image, "
+        f"{args.runs} runs"
+    )
+    print("| server | encode (ms) | TTFT (ms) | cold start (s) | peak RSS (MiB) |")
+    print("|---|---|---|---|---|")
+    for row in (kiln, llama):
+        print(
+            f"| {row['name']} | {row['encode_ms']:.1f} | {row['ttft_s'] * 1000:.1f} | "
+            f"{row['cold_start_s']:.2f} | {row['peak_rss_mib']:.0f} |"
+        )
+    print(
+        f"Kiln / llama.cpp: encode {kiln['encode_ms'] / llama['encode_ms']:.2f}x, "
+        f"TTFT {kiln['ttft_s'] / llama['ttft_s']:.2f}x (lower is better)"
+    )
+    same = kiln["tokens"] == llama["tokens"]
+    print(f"greedy tokens equal on all {args.runs} images: {same}")
+    if args.record is not None:
+        fixture = {
+            "made_by": f"bench/vision_peers.py --shape {args.shape} --runs {args.runs}: "
+            + " ".join(Path(part).name if "/" in part else part for part in llama_command),
+            "text_gguf_sha256": sha256(text),
+            "mmproj_gguf_sha256": sha256(mmproj),
+            "prompt": PROMPT,
+            "images": [{"seed": seed, "size": IMAGE_SIZES[args.shape]} for seed in range(args.runs)],
+            "tokens": llama["tokens"],
+        }
+        args.record.write_text(json.dumps(fixture, indent=1) + "\n")
+        print(f"wrote {args.record}")
+    if not same:
+        for index, (ours, theirs) in enumerate(zip(kiln["tokens"], llama["tokens"], strict=True)):
+            if ours != theirs:
+                print(f"image {index}: kiln {ours}\n          llama.cpp {theirs}")
+        raise SystemExit("greedy tokens differ")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""A SmolVLM-shaped model with random weights (transformers' Idefics3ForConditionalGeneration), saved as
+a HF directory and converted by llama.cpp's own convert_hf_to_gguf.py into the text GGUF and the
+`--mmproj` image-encoder GGUF that llama-server runs.
+
+    python scripts/make_smolvlm.py OUT [--shape tiny|256m] [--outtype f32|f16]
+
+OUT/hf (the checkpoint), OUT/text.gguf, OUT/mmproj.gguf. The tokenizer is byte-level BPE (llama.cpp's
+converter reads it; a newline and two newlines are tokens, as llama.cpp's Idefics3 prompt looks them up)
+with SmolVLM's special tokens. "tiny": SigLIP 32 x 32 tiles of 4 x 4 patches, a 2-layer Llama of width
+64 (tests); "256m": SmolVLM-256M's shapes (SigLIP-base at 512 x 512, patch 16, 12 layers; pixel shuffle
+by 4: 64 tokens a tile; a 30-layer Llama of width 576) for benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIAL = [
+    "<|endoftext|>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+    "<end_of_utterance>",
+    "<image>",
+]
+CHAT_TEMPLATE = (  # SmolVLM's shape: "User:<image>text<end_of_utterance>\nAssistant:"
+    "{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "vision": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+        },
+        "image_size": 32,
+        "patch_size": 4,
+        "scale_factor": 2,
+        "longest_edge": 64,
+        "text": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+        },
+    },
+    "256m": {
+        "vision": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_attention_heads": 12,
+            "num_hidden_layers": 12,
+        },
+        "image_size": 512,
+        "patch_size": 16,
+        "scale_factor": 4,
+        "longest_edge": 512,
+        "text": {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "num_hidden_layers": 30,
+        },
+    },
+}
+
+
+def save_tokenizer(folder: Path) -> tuple[int, int, int]:
+    """The byte-level BPE tokenizer with SmolVLM's special tokens; (vocabulary size, image id, end id)."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from kiln.frontend.gguf_tokenizer import _byte_alphabet
+
+    alphabet = _byte_alphabet()
+    newline = alphabet[10]
+    merges = [(newline, newline), *[(a, b) for a in "abcdefgh" for b in "abcdefgh"][:40]]
+    vocab = {alphabet[byte]: byte for byte in range(256)}
+    vocab |= {a + b: 256 + i for i, (a, b) in enumerate(merges)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL])
+    end = "<end_of_utterance>"
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=SPECIAL[0], eos_token=end, unk_token=SPECIAL[0]
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # the converter's BPE path
+    config_file.write_text(json.dumps(config))
+    return tokenizer.get_vocab_size(), tokenizer.token_to_id("<image>"), tokenizer.token_to_id(end)
+
+
+def save_smolvlm(folder: Path, shape: str = "tiny") -> Any:
+    """The checkpoint at `folder` (norms and biases random too, so that a wrong mapping shows); returns
+    the model."""
+    import torch
+    import transformers
+
+    sizes = SHAPES[shape]
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab, image_id, end_id = save_tokenizer(folder)
+    vision = transformers.Idefics3VisionConfig(
+        **sizes["vision"], image_size=sizes["image_size"], patch_size=sizes["patch_size"]
+    )
+    text = transformers.LlamaConfig(
+        **sizes["text"],
+        architectures=["VLlama3ForCausalLM"],  # as SmolVLM's text config says: the converter's text route
+        vocab_size=vocab,
+        eos_token_id=end_id,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    config = transformers.Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=sizes["scale_factor"],
+        image_token_id=image_id,
+        eos_token_id=end_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": sizes["longest_edge"]},
+        max_image_size={"longest_edge": sizes["image_size"]},
+        do_image_splitting=True,
+    ).save_pretrained(folder)
+    return model
+
+
+def convert(source: Path, hf: Path, out: Path, outtype: str = "f32") -> tuple[Path, Path]:
+    """llama.cpp's converter on `hf`: (text GGUF, mmproj GGUF) under `out`."""
+    files = (out / "text.gguf", out / "mmproj.gguf")
+    for flags, file in (([], files[0]), (["--mmproj"], files[1])):
+        command = [
+            sys.executable,
+            str(REPO / "scripts" / "llama_cpp_convert.py"),
+            str(source),
+            "gpt-2",
+            str(hf),
+        ]
+        command += [*flags, "--outtype", outtype, "--outfile", str(file)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"llama.cpp's converter failed on {hf}:\n{result.stderr[-3000:]}")
+    return files
+
+
+def llama_cpp_source() -> Path:
+    from kiln.frontend.pull import kiln_home
+
+    found = sorted((kiln_home() / "llama.cpp-source").glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not found:
+        raise SystemExit("no llama.cpp source: run `bash scripts/llama_cpp_source.sh '' --python-only`")
+    return found[-1].parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--outtype", choices=("f32", "f16"), default="f32")
+    args = parser.parse_args()
+    save_smolvlm(args.out / "hf", args.shape)
+    text, mmproj = convert(llama_cpp_source(), args.out / "hf", args.out, args.outtype)
+    print(f"{args.out / 'hf'}\n{text}\n{mmproj}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""A SmolVLM-shaped model (random weights, scripts/make_smolvlm.py) converted by llama.cpp's own converter
+into a text GGUF and an `--mmproj` image-encoder GGUF, as llama-server users have them: Kiln serves the
+pair and its greedy tokens for three images equal llama-server's (recorded by bench/vision_peers.py
+--record in tests/fixtures/smolvlm_tiny_llama_cpp.json, with the sha256 of the files it ran on) on the
+reference, ONNX Runtime and TVM backends."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kiln.errors import ModelLoadError
+from kiln.runtime.sampling_params import SamplingParams
+
+pytest.importorskip("transformers")
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smolvlm_tiny_llama_cpp.json"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_smolvlm.py"
+
+
+def make_smolvlm() -> Any:
+    spec = importlib.util.spec_from_file_location("make_smolvlm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory, llama_cpp_source: Path) -> tuple[Path, Path, Path]:
+    """(HF directory, text GGUF, mmproj GGUF), the GGUFs the ones llama-server ran on."""
+    maker = make_smolvlm()
+    folder = tmp_path_factory.mktemp("smolvlm")
+    maker.save_smolvlm(folder / "hf", "tiny")
+    text, mmproj = maker.convert(llama_cpp_source, folder / "hf", folder)
+    recorded = json.loads(FIXTURE.read_text())
+    for file, key in ((text, "text_gguf_sha256"), (mmproj, "mmproj_gguf_sha256")):
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        assert digest == recorded[key], (
+            f"{file.name} is not the file llama-server's tokens were recorded on: record them again with "
+            f"`bench/vision_peers.py --shape tiny --runs 3 --record {FIXTURE}`"
+        )
+    return folder / "hf", text, mmproj
+
+
+@pytest.fixture(scope="module", params=["reference", "onnxruntime", "tvm"])
+def llm(request: pytest.FixtureRequest, converted: tuple[Path, Path, Path]) -> Iterator[Any]:
+    from kiln.llm import LLM
+
+    _, text, mmproj = converted
+    model = LLM(str(text), mmproj=str(mmproj), backend=request.param, show_progress=False)
+    yield model
+    model.close()
+
+
+def test_greedy_tokens_equal_llama_servers(llm: Any) -> None:
+    recorded = json.loads(FIXTURE.read_text())
+    params = SamplingParams(max_tokens=len(recorded["tokens"][0]), temperature=0, ignore_eos=True)
+    for shown, expected in zip(recorded["images"], recorded["tokens"], strict=True):
+        width, height = shown["size"]
+        pixels = np.random.default_rng(shown["seed"]).integers(0, 255, (height, width, 3), dtype=np.uint8)
+        content = [{"type": "image_pil", "image_pil": Image.fromarray(pixels)}]
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": recorded["prompt"]}]}]
+        assert llm.chat(messages, params).outputs[0].token_ids == expected
+
+
+def test_mmproj_goes_with_a_gguf_model(converted: tuple[Path, Path, Path]) -> None:
+    from kiln.frontend.load import load_model
+
+    hf, _, mmproj = converted
+    with pytest.raises(ModelLoadError, match="--mmproj goes with a GGUF model file"):
+        load_model(str(hf), mmproj)
