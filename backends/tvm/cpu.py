@@ -10,8 +10,8 @@ import tvm
 from tvm import relax, tirx
 
 from kiln.backends.targets import Target, cross_compiler, host_machine
+from kiln.backends.tvm.kernels import dense_attention, rowwise
 from kiln.backends.tvm.kernels import linear as linear_kernels
-from kiln.backends.tvm.kernels import rowwise
 from kiln.backends.tvm.kernels.int_dot import Isa, choose_isa
 
 
@@ -71,6 +71,10 @@ def schedule_cpu(kind: str, func: tirx.PrimFunc, info: dict[str, Any]) -> tuple[
         return rowwise.schedule_rope_cpu(func), "templated"
     if kind == "swiglu":
         return rowwise.schedule_swiglu_cpu(func, info["intermediate"]), "templated"
+    if kind == "batched_matmul":
+        return dense_attention.schedule_batched_matmul_cpu(func, info["n"]), "templated"
+    if kind == "masked_softmax":
+        return dense_attention.schedule_masked_softmax_cpu(func, info["rows"]), "templated"
     return func, "hand-written TIR"  # attention, kv_write and qgemm are written scheduled
 
 
