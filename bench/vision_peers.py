@@ -7,10 +7,11 @@ MMPROJ.gguf` and `llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`, one after the
 The model is SmolVLM-shaped with random weights (scripts/make_smolvlm.py: "256m" has SmolVLM-256M's
 shapes, SigLIP-base at 512 x 512 and a 30-layer Llama of width 576), converted by llama.cpp's own
 converter; made once under $KILN_HOME/bench-vision/<shape>. Each run sends a new image (so neither
-server's prompt cache helps) with a short text as a streamed chat completion, greedy, 16 tokens.
+server's prompt cache helps) with a short text as a chat completion, greedy, 16 tokens.
 
-Per server: time to first token (client side, median), the image's encode time (Kiln: the artifact's
-`encode_image` over the image's tiles in this process after the servers stop; llama.cpp: from its
+Per server: time to first token (client side, median; a one-token request), the image's encode time
+(Kiln: the artifact's `encode_image` over the image's tiles in this process after the servers stop;
+llama.cpp: from its
 log, the time from "encoding mtmd batch" to the image batch's decode), cold start, peak RSS. The two
 servers' greedy tokens are compared (llama-server's logprobs give its token ids); any difference is an
 error. `--record` writes llama-server's tokens for each image (the fixture tests/frontend/
@@ -70,7 +71,7 @@ def data_url(picture: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def request(picture: Image.Image, stream: bool) -> dict[str, Any]:
+def request(picture: Image.Image) -> dict[str, Any]:
     content = [
         {"type": "image_url", "image_url": {"url": data_url(picture)}},
         {"type": "text", "text": PROMPT},
@@ -81,25 +82,21 @@ def request(picture: Image.Image, stream: bool) -> dict[str, Any]:
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": stream,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
     }
-    if not stream:
-        body |= {"logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
     return body
 
 
 def first_token_s(port: int, picture: Image.Image) -> float:
-    """Seconds to the first streamed token of a chat completion with `picture`."""
+    """Seconds to the first token of a chat completion with `picture`: a request for one token, answered
+    whole (a streamed first token may be part of a character, which llama-server holds back)."""
+    body = request(picture) | {"max_tokens": 1}
     started = time.perf_counter()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    with httpx.stream("POST", url, json=request(picture, True), timeout=600) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices") or []:
-                    if choice.get("delta", {}).get("content"):
-                        return time.perf_counter() - started
-    return float("nan")
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600)
+    reply.raise_for_status()
+    return time.perf_counter() - started
 
 
 def greedy_ids(port: int, picture: Image.Image, llama_cpp: bool) -> list[int]:
@@ -116,7 +113,7 @@ def greedy_ids(port: int, picture: Image.Image, llama_cpp: bool) -> list[int]:
         reply.raise_for_status()
         return list(reply.json()["tokens"])
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    reply = httpx.post(url, json=request(picture, False), timeout=600)
+    reply = httpx.post(url, json=request(picture), timeout=600)
     reply.raise_for_status()
     entries = reply.json()["choices"][0]["logprobs"]["content"]
     return [int(entry["token"].split(":")[1]) for entry in entries]
