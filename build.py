@@ -40,7 +40,7 @@ class BuiltProgram(Optimized):
     source: ModelSource
     tokenizer: Tokenizer
     seconds: dict[str, float]  # load, dequantize, capture, passes
-    encoder: Program | None = None  # a vision-language model's image encoder, captured (float32)
+    encoder: Program | None = None  # a vision-language model's image encoder, optimized (float32)
 
     @property
     def config(self) -> ModelConfig:
@@ -134,8 +134,19 @@ def build_program(
         source=source,
         tokenizer=runtime_tokenizer(source),
         seconds=seconds,
-        encoder=source.vision.program() if source.vision is not None else None,
+        encoder=optimize_encoder(source, options.opt_level),
     )
+
+
+def optimize_encoder(source: ModelSource, opt_level: int) -> Program | None:
+    """A vision-language model's image encoder, captured, through the pass pipeline of `opt_level` in
+    float32 (its q/k/v projections fused into one linear, like the text model's); None for a text
+    model."""
+    if source.vision is None:
+        return None
+    float_options = PassOptions()
+    program, _ = PassManager(pipeline(opt_level, float_options)).run(source.vision.program(), float_options)
+    return program
 
 
 def rank_programs(built: BuiltProgram, options: PipelineOptions) -> list[Program]:
