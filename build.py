@@ -20,6 +20,7 @@ from kiln.frontend.capture import capture_weights
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.load import load_model
 from kiln.frontend.source import ModelSource, QuantizedTensor
+from kiln.frontend.vision import encoder_program
 from kiln.ir import Program, print_graph
 from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
 from kiln.passes.shard import shard_with_blocks
@@ -145,7 +146,8 @@ def optimize_encoder(source: ModelSource, opt_level: int) -> Program | None:
     if source.vision is None:
         return None
     float_options = PassOptions()
-    program, _ = PassManager(pipeline(opt_level, float_options)).run(source.vision.program(), float_options)
+    captured = encoder_program(source.vision)
+    program, _ = PassManager(pipeline(opt_level, float_options)).run(captured, float_options)
     return program
 
 

@@ -36,22 +36,34 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop or [],
     )
+    images = [_read_image(path) for path in args.image or []]
     llm = LLM(args.model, max_model_len=args.max_model_len, **_model_options(args))
-    tokenizer = llm.get_tokenizer()
-    prompt: str | list[int] = args.prompt
+    prompt: Any = args.prompt
     if args.chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        parts = [{"type": "image_pil", "image_pil": image} for image in images]
+        content = [*parts, {"type": "text", "text": args.prompt}] if images else args.prompt
+        prompt = llm.chat_prompt([{"role": "user", "content": content}])
+    elif images:  # the prompt holds the model's placeholder once an image
+        prompt = {"prompt": args.prompt, "multi_modal_data": {"image": images}}
+    engine_prompt, embedded = llm.engine_prompt(prompt)
     engine = llm.engine
-    engine.add_request("generate", prompt, params)
+    engine.add_request("generate", engine_prompt, params, images=embedded)
     while engine.has_unfinished_requests():
         for output in engine.step():
             print(output.outputs[0].delta_text, end="", flush=True)
     print()
     llm.close()
     return 0
+
+
+def _read_image(path: str) -> Any:
+    """An --image file, decoded within the server's limits (bytes, pixels)."""
+    from kiln.runtime.media import MediaError, MediaPolicy, decode_image
+
+    try:
+        return decode_image(Path(path).read_bytes(), MediaPolicy())
+    except (OSError, MediaError) as error:
+        raise UsageError(f"--image {path}: {error}") from None
 
 
 def _media_limits(args: argparse.Namespace) -> Any:
@@ -479,6 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument(
+        "--image",
+        action="append",
+        help="an image file for a vision-language model (repeatable): with --chat each goes before the "
+        "prompt's text; without, the prompt holds the model's placeholder (e.g. <image>) once an image",
+    )
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     generate.add_argument("--top-p", type=float, default=1.0)

@@ -199,7 +199,7 @@ class LLM:
         """Run every prompt to completion, batched; the outputs in the prompts' order."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = [self._engine_prompt(prompt) for prompt in prompts]  # type: ignore[union-attr]
+        prompt_list = [self.engine_prompt(prompt) for prompt in prompts]  # type: ignore[union-attr]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -212,7 +212,7 @@ class LLM:
         finished = {output.request_id: output for output in self.engine.run_to_completion()}
         return [finished[request_id] for request_id in ids]
 
-    def _engine_prompt(self, prompt: Prompt) -> tuple[str | Sequence[int], list[ImageEmbedding]]:
+    def engine_prompt(self, prompt: Prompt) -> tuple[str | Sequence[int], list[ImageEmbedding]]:
         """A prompt as the engine takes it, with its images embedded; a ValueError for a dict it cannot
         serve."""
         if not isinstance(prompt, dict):
@@ -248,13 +248,16 @@ class LLM:
     ) -> RequestOutput:
         """One conversation; a message's content is a text or OpenAI's list of parts (`image_url` parts
         where the model takes images: data: URLs, or what `media` allows; `image_pil` parts: PIL images)."""
+        return self.generate([self.chat_prompt(messages, media)], sampling_params)[0]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], media: MediaPolicy | None = None) -> Prompt:
+        """The conversation through the chat template, as a prompt `generate` takes (with its images)."""
         tokenizer = self.get_tokenizer()
         images: list[Any] = []
         messages = [self._chat_message(i, message, images, media) for i, message in enumerate(messages)]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
-        return self.generate([prompt], sampling_params)[0]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
     def _chat_message(
         self, index: int, message: dict[str, Any], images: list[Any], media: MediaPolicy | None

@@ -32,11 +32,14 @@ from kiln.build import Progress, build_program, rank_programs
 from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import model_digest
+from kiln.errors import ModelLoadError
 from kiln.frontend.pull import resolve_model
 from kiln.ir import DTYPES, Program, print_graph
 from kiln.ir.deferred import materialize
 from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.ir.vision import VisionSpec
 from kiln.runtime import artifact as fmt
+from kiln.runtime.image_processing import ImageProcessingError, processing_of
 from kiln.runtime.weights_file import Entry
 from kiln.version import __version__
 
@@ -136,6 +139,7 @@ def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tupl
 def _compile_encoders(
     backend: Backend,
     encoder: Program | None,
+    vision: VisionSpec | None,
     targets: tuple[Target, ...],
     root: Path,
     settings: CompileSettings,
@@ -144,13 +148,19 @@ def _compile_encoders(
     """A vision-language model's image encoder (the artifact's second entry point, `encode_image`)
     compiled for each target under <target folder>/encoder, its weights written once: {target name:
     its manifest entry, "weights": (path, sha256)}; empty for a text-only model."""
-    if encoder is None:
+    if encoder is None or vision is None:
         return {}
     if world > 1:
         raise BackendError(
             "a vision-language model compiles for one rank only so far",
             hint="leave out --tensor-parallel-size",
         )
+    try:
+        processing_of(vision.preprocessor)  # the runtime will read it: refuse now what it could not
+    except ImageProcessingError as error:
+        raise ModelLoadError(
+            f"the model's image processor config: {error}", hint="fix preprocessor_config.json"
+        ) from None
     entries: dict[str, Any] = {}
     codes = []
     for target in targets:
@@ -227,7 +237,10 @@ def compile_model(
             for rank, program in enumerate(programs)
         ]
         digests = dict(weights)
-        encoders = _compile_encoders(backend, built.encoder, plan.targets, scratch, settings, len(programs))
+        spec = source.vision.spec if source.vision is not None else None
+        encoders = _compile_encoders(
+            backend, built.encoder, spec, plan.targets, scratch, settings, len(programs)
+        )
         if encoders:
             digests |= dict([encoders.pop("weights")])
         entries: dict[str, Any] = {}

@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.vision import VisionSource
+from kiln.ir import TensorType
 from kiln.ir.deferred import Deferred
 from kiln.ir.gguf_blocks import QuantizedTensor  # loaders make them, passes import them
+from kiln.ir.vision import VisionSpec
 
 Weight = torch.Tensor | Deferred | QuantizedTensor
 
@@ -29,6 +31,16 @@ class TokenizerInfo:
     add_bos_token: bool
     eos_token_ids: tuple[int, ...]
     special_tokens: dict[str, str] = field(default_factory=dict)  # e.g. {"pad_token": "<|endoftext|>"}
+
+
+@dataclass
+class VisionSource:
+    """A vision-language model's image encoder as loaded (frontend/vision.py): `module` with its weights,
+    called with `input_types`; `spec`, what the runtime needs besides the compiled encoder."""
+
+    spec: VisionSpec
+    module: nn.Module
+    input_types: dict[str, TensorType]
 
 
 @dataclass

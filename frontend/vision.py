@@ -11,38 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.ir import Program, TensorType
-from kiln.runtime.vision import VisionSpec
-
-if TYPE_CHECKING:
-    from kiln.frontend.source import ModelSource
+from kiln.frontend.source import ModelSource, VisionSource, float32
+from kiln.ir import Program
+from kiln.ir.vision import VisionSpec
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 ENCODE_IMAGE = "encode_image"
 
 
-@dataclass
-class VisionSource:
-    """The encoder as loaded: `module` with its weights, called with `input_types`."""
+def encoder_program(vision: VisionSource) -> Program:
+    """The encoder captured with torch.fx into Kiln IR (float32)."""
+    from kiln.frontend.capture import capture_module
 
-    spec: VisionSpec
-    module: nn.Module
-    input_types: dict[str, TensorType]
-
-    def program(self) -> Program:
-        """The encoder captured with torch.fx into Kiln IR (float32)."""
-        from kiln.frontend.capture import capture_module
-
-        graph = capture_module(self.module.eval(), self.input_types, ENCODE_IMAGE)
-        return Program(graph, {p.name: self.module.get_parameter(p.name).detach() for p in graph.params})
+    graph = capture_module(vision.module.eval(), vision.input_types, ENCODE_IMAGE)
+    return Program(graph, {p.name: vision.module.get_parameter(p.name).detach() for p in graph.params})
 
 
 def llava_vision(
@@ -80,9 +68,7 @@ def llava_vision(
 
 
 def read_preprocessor(path: Path) -> dict[str, Any]:
-    """The directory's preprocessor_config.json, checked by the runtime's own reader of it."""
-    from kiln.runtime.image_processing import ImageProcessingError, processing_of
-
+    """The directory's preprocessor_config.json (the compile checks it with the runtime's reader)."""
     file = path / PREPROCESSOR_FILE
     if not file.is_file():
         raise ModelLoadError(
@@ -91,10 +77,11 @@ def read_preprocessor(path: Path) -> dict[str, Any]:
         )
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-        processing_of(config)
-    except (UnicodeDecodeError, json.JSONDecodeError, ImageProcessingError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{file}: {error}") from None
-    return dict(config)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object", hint="the file is corrupt")
+    return config
 
 
 def idefics3_vision(
@@ -131,7 +118,6 @@ def idefics3_vision(
 
 
 def _float32(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from kiln.frontend.source import float32
     from kiln.ir.deferred import materialize
 
     return {name: materialize(float32(tensor)) for name, tensor in weights.items()}

@@ -37,9 +37,10 @@ from kiln.backends.base import Executable, Logits, allocate_kv_cache
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
+from kiln.ir.vision import VisionSpec
 from kiln.runtime.tensor_parallel import CompiledRanks, TensorParallelExecutable, run_worker, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
-from kiln.runtime.vision import VisionModel, VisionSpec
+from kiln.runtime.vision import VisionModel
 from kiln.runtime.weights_file import Entry, WeightsFileError, read_weights_file, write_weights_file
 
 SCHEMA_VERSION = 2  # 2: weights stored as the compiled code reads them (runtime/weights_file.py)

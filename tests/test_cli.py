@@ -86,3 +86,23 @@ def test_inspect_prints_the_ir(smollm2_gguf_path: Path) -> None:
     assert "LlamaForCausalLM" in result.stdout
     assert result.stdout.count("] = paged_attention(") == 30
     assert "GGUF weights by type: Q4_1 63.3 MiB, Q8_0 28.7 MiB, F32 0.1 MiB" in result.stdout
+
+
+def test_generate_refuses_an_image_for_a_text_model(smollm2_gguf_path: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat.png")
+    args = [
+        "generate",
+        str(smollm2_gguf_path),
+        "--chat",
+        "--prompt",
+        "Hi",
+        "--image",
+        str(tmp_path / "cat.png"),
+    ]
+    refused = kiln(*args)  # (after the compile's progress, where the compile cache has not the model)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last == "kiln: error: messages[0].content[0] is an image, and this model takes text only", last
+    _assert_one_line_error(kiln(*args[:-1], str(tmp_path / "missing.png")), "--image", "missing.png")

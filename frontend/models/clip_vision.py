@@ -22,8 +22,8 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.frontend.ops import attention, gelu, gelu_tanh, layer_norm, quick_gelu
 from kiln.ir import TensorType
-from kiln.runtime.vision import clip_encoder_inputs as encoder_inputs  # noqa: F401  (this family's)
-from kiln.runtime.vision import flat_patches  # noqa: F401  (the SigLIP families' too)
+from kiln.ir.vision import clip_encoder_inputs as encoder_inputs  # noqa: F401  (this family's)
+from kiln.ir.vision import flat_patches  # noqa: F401  (the SigLIP families' too)
 
 ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 

@@ -17,8 +17,9 @@ from kiln.backends.tvm.cuda import check_cuda_library
 from kiln.compiler import ModelOptions, resolve
 from kiln.compiler.codegen import compile_model
 from kiln.ir.interpreter import interpret
+from kiln.ir.vision import clip_encoder_inputs
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.vision import ROW_BLOCK, clip_encoder_inputs
+from kiln.runtime.vision import ROW_BLOCK
 
 pytest.importorskip("transformers")
 

@@ -78,3 +78,36 @@ def test_mmproj_goes_with_a_gguf_model(converted: tuple[Path, Path, Path]) -> No
     hf, _, mmproj = converted
     with pytest.raises(ModelLoadError, match="--mmproj goes with a GGUF model file"):
         load_model(str(hf), mmproj)
+
+
+def test_kiln_generate_with_an_image(converted: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """`kiln generate TEXT --mmproj MMPROJ --chat --image FILE` prints the greedy reply `LLM.chat` gives."""
+    import subprocess
+    import sys
+
+    from kiln.llm import LLM
+
+    _, text, mmproj = converted
+    recorded = json.loads(FIXTURE.read_text())
+    width, height = recorded["images"][0]["size"]
+    pixels = np.random.default_rng(recorded["images"][0]["seed"]).integers(
+        0, 255, (height, width, 3), dtype=np.uint8
+    )
+    Image.fromarray(pixels).save(tmp_path / "image.png")
+    command = [sys.executable, "-m", "kiln.cli", "generate", str(text), "--mmproj", str(mmproj), "--chat"]
+    command += [
+        "--prompt",
+        recorded["prompt"],
+        "--image",
+        str(tmp_path / "image.png"),
+        "--backend",
+        "reference",
+    ]
+    command += ["--max-tokens", "16", "--temperature", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(str(text), mmproj=str(mmproj), backend="reference", show_progress=False)
+    content = [{"type": "image_pil", "image_pil": Image.open(tmp_path / "image.png")}]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": recorded["prompt"]}]}]
+    reply = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0)).outputs[0].text
+    assert result.stdout.rstrip("\n") == reply
