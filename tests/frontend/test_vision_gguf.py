@@ -2,7 +2,7 @@
 into a text GGUF and an `--mmproj` image-encoder GGUF, as llama-server users have them: Kiln serves the
 pair and its greedy tokens for three images equal llama-server's (recorded by bench/vision_peers.py
 --record in tests/fixtures/smolvlm_tiny_llama_cpp.json, with the sha256 of the files it ran on) on the
-reference, ONNX Runtime and TVM backends."""
+default path (TVM for this CPU; every backend's image path: test_vision.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory, llama_cpp_source: Path) 
     return folder / "hf", text, mmproj
 
 
-@pytest.fixture(scope="module", params=["reference", "onnxruntime", "tvm"])
+@pytest.fixture(scope="module", params=["tvm"])
 def llm(request: pytest.FixtureRequest, converted: tuple[Path, Path, Path]) -> Iterator[Any]:
     from kiln.llm import LLM
 
