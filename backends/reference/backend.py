@@ -63,10 +63,7 @@ class ReferenceBackend:
     def compile_encoder(
         self, program: Program, target: Target, folder: Path, settings: CompileSettings
     ) -> CompiledCode:
-        folder.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(graph_to_json(program.graph), indent=1, sort_keys=True) + "\n"
-        (folder / GRAPH_FILE).write_text(text)
-        return CompiledCode([GRAPH_FILE], {"all ops": "torch reference"})
+        return self.compile(program, target, folder, settings)  # its "code" is the graph, as the step's
 
     def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
         return ReferenceImageEncoder(_read_graph(folder), torch_weights(weights))
