@@ -567,7 +567,6 @@ def save_tiny_llava(
     and <image> (299), a chat template and a CLIP image processor's config too, as a servable model."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models
 
     vision = transformers.CLIPVisionConfig(
         hidden_size=32,
@@ -601,21 +600,31 @@ def save_tiny_llava(
                 parameter.normal_(0, 0.5 if "bias" in name or "embedding" in name else 1.0)
     model.save_pretrained(folder)
     if with_tokenizer:
-        from tokenizers import decoders, pre_tokenizers
-
-        vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 299)}, "<image>": 299}
-        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tokenizer.decoder = decoders.WordPiece()  # words joined by spaces
-        hf_tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, unk_token="<unk>", eos_token="t2"
-        )
-        hf_tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
-        hf_tokenizer.save_pretrained(folder)
+        save_word_tokenizer(folder, {**{f"t{i}": i for i in range(1, 299)}, "<image>": 299}, "t2")
         transformers.CLIPImageProcessor(
             size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
         ).save_pretrained(folder)
     return model
+
+
+def save_word_tokenizer(
+    folder: Path, words: dict[str, int], eos_token: str, special: list[str] | None = None
+) -> Any:
+    """A whitespace tokenizer of `words` (and <unk>, id 0), decoded with spaces between words, with the
+    tiny vision models' chat template, saved at `folder`; returns transformers' tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, **words}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()  # words joined by spaces
+    extra = {"additional_special_tokens": special} if special else {}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token=eos_token, **extra
+    )
+    tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
 
 
 # LLaVA-1.5's template's shape: an image part is its placeholder, then the text
@@ -645,7 +654,6 @@ def save_tiny_idefics3(folder: Path) -> Any:
     returns (model, transformers' Idefics3Processor)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vision = transformers.Idefics3VisionConfig(
         hidden_size=32,
@@ -674,19 +682,8 @@ def save_tiny_idefics3(folder: Path) -> Any:
             if "norm" in name or name.endswith("bias"):
                 parameter.normal_(0, 0.5)
     model.save_pretrained(folder)
-    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 280)}}
-    vocab |= {token: 280 + i for i, token in enumerate(IDEFICS3_SPECIAL)}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words.decoder = decoders.WordPiece()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words,
-        unk_token="<unk>",
-        eos_token="<end_of_utterance>",
-        additional_special_tokens=IDEFICS3_SPECIAL,
-    )
-    tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(1, 280)} | {token: 280 + i for i, token in enumerate(IDEFICS3_SPECIAL)}
+    tokenizer = save_word_tokenizer(folder, vocab, "<end_of_utterance>", IDEFICS3_SPECIAL)
     images = transformers.Idefics3ImageProcessorPil(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
     )
