@@ -27,39 +27,10 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_idefics3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3VisionConfig,
-        LlamaConfig,
-    )
-
-    vision = Idefics3VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        image_size=32,
-        patch_size=4,
-    )
-    text = LlamaConfig(
-        hidden_size=48,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=300,
-    )
-    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=299)
-    torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # random norms and biases too, so a wrong mapping shows
-        for name, parameter in model.named_parameters():
-            if "vision" in name and ("norm" in name or name.endswith("bias")):
-                parameter.normal_(0, 0.5)
+def idefics3_dir(tmp_path_factory: pytest.TempPathFactory, tiny_idefics3) -> Path:
+    """The tests' tiny Idefics3 checkpoint (tests/conftest.py `save_tiny_idefics3`), saved once here."""
     folder = tmp_path_factory.mktemp("idefics3")
-    model.save_pretrained(folder)
+    tiny_idefics3(folder)
     return folder
 
 
@@ -80,22 +51,22 @@ def _program(
 
 @pytest.mark.parametrize("source", ["checkpoint", "llama.cpp mmproj"])
 def test_the_captured_encoder_matches_transformers(
-    tiny_idefics3: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
+    idefics3_dir: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
 ) -> None:
     from transformers import Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
 
     if source == "checkpoint":
-        config, program = _captured(tiny_idefics3)
+        config, program = _captured(idefics3_dir)
     else:
         from kiln.frontend.mmproj import read_mmproj
 
         processor = Idefics3ImageProcessorPil(size={"longest_edge": 96}, max_image_size={"longest_edge": 32})
-        processor.save_pretrained(tiny_idefics3)  # the converter reads the image processor's settings
+        processor.save_pretrained(idefics3_dir)  # the converter reads the image processor's settings
         convert = request.getfixturevalue("llama_cpp_mmproj")
-        encoder = read_mmproj(convert(tiny_idefics3, tmp_path / "mmproj.gguf"))
+        encoder = read_mmproj(convert(idefics3_dir, tmp_path / "mmproj.gguf"))
         assert encoder.kind == "idefics3"
         config, program = _program(Idefics3VisionConfig.from_idefics3(encoder.config), encoder.tensors)
-    reference = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3).eval()
+    reference = Idefics3ForConditionalGeneration.from_pretrained(idefics3_dir).eval()
     pixel_values = torch.randn(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         (expected,) = reference.model.get_image_features(pixel_values=pixel_values).pooler_output
@@ -107,9 +78,9 @@ def test_the_captured_encoder_matches_transformers(
 
 @pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
 def test_the_compiled_encoder_matches_the_interpreter(
-    tiny_idefics3: Path, tmp_path: Path, backend: str, compile_image_encoder
+    idefics3_dir: Path, tmp_path: Path, backend: str, compile_image_encoder
 ) -> None:
-    config, program = _captured(tiny_idefics3)
+    config, program = _captured(idefics3_dir)
     encoder = compile_image_encoder(program, backend, tmp_path)
     pixels = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(2)).numpy()
     inputs = encoder_inputs(pixels, config.patch_size)
