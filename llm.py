@@ -292,4 +292,4 @@ class LLM:
         vision = self.artifact.vision
         assert vision is not None
         template = self.get_tokenizer().chat_template
-        return {**message, "content": template_content(parts, vision.spec.image_token, template)}
+        return {**message, "content": template_content(parts, vision.spec.placeholder_text, template)}

@@ -1,13 +1,14 @@
 """One image, Kiln against llama.cpp's mtmd on the same GGUF and mmproj: `kiln serve TEXT.gguf --mmproj
 MMPROJ.gguf` and `llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`, one after the other, 2 threads each.
 
-    .venv/bin/python bench/vision_peers.py [--shape 256m|tiny] [--runs 5] [--threads 2]
-        [--record tests/fixtures/smolvlm_tiny_llama_cpp.json]
+    .venv/bin/python bench/vision_peers.py [--family smolvlm|gemma3] [--shape 256m|tiny] [--runs 5]
+        [--threads 2] [--record tests/fixtures/smolvlm_tiny_llama_cpp.json]
 
-The model is SmolVLM-shaped with random weights (scripts/make_smolvlm.py: "256m" has SmolVLM-256M's
-shapes, SigLIP-base at 512 x 512 and a 30-layer Llama of width 576), converted by llama.cpp's own
-converter; made once under $KILN_HOME/bench-vision/<shape>. Each run sends a new image (so neither
-server's prompt cache helps) with a short text as a chat completion, greedy, 16 tokens.
+The model has random weights (scripts/make_vlm.py): SmolVLM-shaped ("256m" has SmolVLM-256M's shapes,
+SigLIP-base at 512 x 512 and a 30-layer Llama of width 576) or a tiny Gemma 3, converted by llama.cpp's
+own converter; made once under $KILN_HOME/bench-vision/<shape> (<family>-<shape> for Gemma 3). Each run
+sends a new image (so neither server's prompt cache helps) with a short text as a chat completion,
+greedy, 16 tokens.
 
 Per server: time to first token (client side, median; a one-token request), the image's encode time
 (Kiln: the artifact's `encode_image` over the image's tiles in this process after the servers stop;
@@ -39,29 +40,36 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import make_smolvlm  # scripts/make_smolvlm.py
+import make_vlm  # scripts/make_vlm.py
 from serve_peers import KILN, LLAMA_SERVER, free_port, start, stop  # bench/serve_peers.py
 
 PROMPT = "abc"
 SERVED = ["--served-model-name", "bench"]
 MAX_TOKENS = 16
 IMAGE_SIZES = {"tiny": (50, 40), "256m": (512, 384)}  # width, height
+# llama.cpp resizes without Pillow's antialiasing (which transformers' processors use, and Kiln with
+# them): a downscaled image's pixel values differ. Gemma 3's tiny images are sent at its 32 x 32.
+FAMILY_IMAGE_SIZES = {("gemma3", "tiny"): (32, 32)}
 _STAMP = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")  # llama.cpp's log: minutes.seconds.ms.us
 
 
-def model_files(shape: str) -> tuple[Path, Path]:
+def model_files(family: str, shape: str) -> tuple[Path, Path]:
     from kiln.frontend.pull import kiln_home
 
-    folder = kiln_home() / "bench-vision" / shape
+    folder = kiln_home() / "bench-vision" / (shape if family == "smolvlm" else f"{family}-{shape}")
     text, mmproj = folder / "text.gguf", folder / "mmproj.gguf"
     if not (text.is_file() and mmproj.is_file()):
-        make_smolvlm.save_smolvlm(folder / "hf", shape)
-        make_smolvlm.convert(make_smolvlm.llama_cpp_source(), folder / "hf", folder)
+        make_vlm.FAMILIES[family](folder / "hf", shape)
+        make_vlm.convert(make_vlm.llama_cpp_source(), folder / "hf", folder)
     return text, mmproj
 
 
-def image(shape: str, seed: int) -> Image.Image:
-    width, height = IMAGE_SIZES[shape]
+def image_size(family: str, shape: str) -> tuple[int, int]:
+    return FAMILY_IMAGE_SIZES.get((family, shape), IMAGE_SIZES[shape])
+
+
+def image(size: tuple[int, int], seed: int) -> Image.Image:
+    width, height = size
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
 
 
@@ -101,11 +109,14 @@ def first_token_s(port: int, picture: Image.Image) -> float:
 
 def greedy_ids(port: int, picture: Image.Image, llama_cpp: bool) -> list[int]:
     """The greedy token ids for `picture` and PROMPT: Kiln's chat completion naming them as vLLM does
-    (return_tokens_as_token_ids); llama-server's /completion with its media marker where the chat
-    template puts the image (its chat logprobs leave out tokens that end mid-character)."""
+    (return_tokens_as_token_ids); llama-server's /completion of its chat template's prompt, its media
+    marker where the image goes (its chat logprobs leave out tokens that end mid-character)."""
     if llama_cpp:
-        marker = httpx.get(f"http://127.0.0.1:{port}/props", timeout=60).json()["media_marker"]
-        prompt = {"prompt_string": f"User:{marker}{PROMPT}<end_of_utterance>\nAssistant:"}
+        server = f"http://127.0.0.1:{port}"
+        marker = httpx.get(f"{server}/props", timeout=60).json()["media_marker"]
+        messages = [{"role": "user", "content": marker + PROMPT}]  # as llama-server joins the parts
+        templated = httpx.post(f"{server}/apply-template", json={"messages": messages}, timeout=60)
+        prompt = {"prompt_string": templated.json()["prompt"]}
         prompt["multimodal_data"] = [data_url(picture).split(",", 1)[1]]  # type: ignore[assignment]
         body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         body |= {"return_tokens": True, "cache_prompt": False}
@@ -152,12 +163,14 @@ def llama_cpp_encode_ms(log: Path) -> list[float]:
     return encodes
 
 
-def run_server(name: str, command: list[str], port: int, shape: str, runs: int, log: Path) -> dict[str, Any]:
+def run_server(
+    name: str, command: list[str], port: int, size: tuple[int, int], runs: int, log: Path
+) -> dict[str, Any]:
     process, cold = start(command, port, log)
     try:
-        first_token_s(port, image(shape, 1000))  # warm: first-request costs (allocations) not timed
-        ttfts = [first_token_s(port, image(shape, seed)) for seed in range(runs)]
-        tokens = [greedy_ids(port, image(shape, seed), "llama" in name) for seed in range(runs)]
+        first_token_s(port, image(size, 1000))  # warm: first-request costs (allocations) not timed
+        ttfts = [first_token_s(port, image(size, seed)) for seed in range(runs)]
+        tokens = [greedy_ids(port, image(size, seed), "llama" in name) for seed in range(runs)]
         rss = peak_rss_mib(process.pid)
     finally:
         stop(process)
@@ -170,16 +183,16 @@ def run_server(name: str, command: list[str], port: int, shape: str, runs: int, 
     }
 
 
-def kiln_encode_ms(text: Path, mmproj: Path, shape: str, runs: int) -> float:
+def kiln_encode_ms(text: Path, mmproj: Path, size: tuple[int, int], runs: int) -> float:
     from kiln.llm import LLM
 
     llm = LLM(str(text), mmproj=str(mmproj), show_progress=False)
     vision = llm.artifact.vision
     assert vision is not None
-    vision.embed(image(shape, 1000))
+    vision.embed(image(size, 1000))
     times = []
     for seed in range(runs):
-        picture = image(shape, seed)
+        picture = image(size, seed)
         started = time.perf_counter()
         vision.embed(picture)
         times.append((time.perf_counter() - started) * 1000)
@@ -194,12 +207,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", choices=sorted(make_smolvlm.SHAPES), default="256m")
+    parser.add_argument("--family", choices=sorted(make_vlm.FAMILIES), default="smolvlm")
+    parser.add_argument("--shape", choices=sorted(make_vlm.SHAPES), default="256m")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--record", type=Path, default=None, help="write llama-server's greedy tokens here")
     args = parser.parse_args()
-    text, mmproj = model_files(args.shape)
+    text, mmproj = model_files(args.family, args.shape)
+    size = image_size(args.family, args.shape)
     subprocess.run(  # compile into the cache before anything is timed
         [*KILN, "generate", str(text), "--mmproj", str(mmproj), "--prompt", "Hi", "--max-tokens", "1"],
         check=True,
@@ -210,25 +225,22 @@ def main() -> None:
         "kiln serve",
         [*KILN, "serve", str(text), "--mmproj", str(mmproj), "--port", str(port), *SERVED],
         port,
-        args.shape,
+        size,
         args.runs,
         work / "kiln.log",
     )
     llama_command = [str(LLAMA_SERVER), "-m", str(text), "--mmproj", str(mmproj), "-t", str(args.threads)]
     llama_command += ["-c", "4096", "--port", str(port), "--alias", "bench", "-lv", "4"]
     llama = run_server(
-        f"llama-server -t {args.threads}", llama_command, port, args.shape, args.runs, work / "llama.log"
+        f"llama-server -t {args.threads}", llama_command, port, size, args.runs, work / "llama.log"
     )
-    kiln["encode_ms"] = kiln_encode_ms(text, mmproj, args.shape, args.runs)
+    kiln["encode_ms"] = kiln_encode_ms(text, mmproj, size, args.runs)
     # requests whose image was encoded (a repeat of the same image is served from llama-server's
     # prompt cache), the warm-up image's first
     encodes = [ms for ms in llama_cpp_encode_ms(work / "llama.log") if ms > 0][1:]
     llama["encode_ms"] = statistics.median(encodes) if encodes else float("nan")
 
-    print(
-        f"\nSmolVLM-shaped ({args.shape}, random weights), one {IMAGE_SIZES[args.shape]} image, "
-        f"{args.runs} runs"
-    )
+    print(f"\n{args.family} ({args.shape}, random weights), one {size} image, {args.runs} runs")
     print("| server | encode (ms) | TTFT (ms) | cold start (s) | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
     for row in (kiln, llama):
@@ -244,12 +256,13 @@ def main() -> None:
     print(f"greedy tokens equal on all {args.runs} images: {same}")
     if args.record is not None:
         fixture = {
-            "made_by": f"bench/vision_peers.py --shape {args.shape} --runs {args.runs}: "
+            "made_by": f"bench/vision_peers.py --family {args.family} --shape {args.shape} "
+            f"--runs {args.runs}: "
             + " ".join(Path(part).name if "/" in part else part for part in llama_command),
             "text_gguf_sha256": sha256(text),
             "mmproj_gguf_sha256": sha256(mmproj),
             "prompt": PROMPT,
-            "images": [{"seed": seed, "size": IMAGE_SIZES[args.shape]} for seed in range(args.runs)],
+            "images": [{"seed": seed, "size": size} for seed in range(args.runs)],
             "tokens": llama["tokens"],
         }
         args.record.write_text(json.dumps(fixture, indent=1) + "\n")

@@ -26,6 +26,7 @@ from kiln.ir import (
     IMAGE_ROWS_INPUT,
     KV_CACHE_INPUT,
     STEP_INPUT_TYPES,
+    VISIBLE_ENDS_INPUT,
     Graph,
     GraphBuilder,
     TensorType,
@@ -34,6 +35,7 @@ from kiln.ir import (
     verify,
 )
 from kiln.ir.deferred import Deferred, Weight, meta
+from kiln.ir.step import VISIBLE_ENDS_TYPE
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)')
@@ -248,7 +250,8 @@ def step_input_types(config: ModelConfig) -> dict[str, TensorType]:
     """The step contract's inputs, with the KV cache shaped for `config`."""
     cache = kv_cache_type(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
     image_rows = {IMAGE_ROWS_INPUT: TensorType("f32", ("E", config.hidden_size))} if config.image_rows else {}
-    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache, **image_rows}
+    ends = {VISIBLE_ENDS_INPUT: VISIBLE_ENDS_TYPE} if config.bidirectional_images else {}
+    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache, **image_rows, **ends}
 
 
 def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:

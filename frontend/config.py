@@ -84,6 +84,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # the step takes image rows: token ids >= vocab_size stand for rows of its `image_rows` input
     image_rows: bool = False
+    # and each image's tokens attend to one another both ways: its `visible_ends` input (Gemma 3)
+    bidirectional_images: bool = False
 
     @property
     def family(self) -> str:

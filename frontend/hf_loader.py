@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kiln.errors import ModelLoadError
-from kiln.frontend import idefics3, llava
+from kiln.frontend import gemma3, idefics3, llava
 from kiln.frontend.config import ModelConfig, config_from_hf
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
@@ -41,7 +41,7 @@ def load_hf_dir(path: Path) -> ModelSource:
     if family is not None:
         vision = family.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
         raw_weights = family.text_weights(raw_weights)
-        config = dataclasses.replace(config, image_rows=True)
+        config = dataclasses.replace(config, image_rows=True, bidirectional_images=vision.spec.bidirectional)
     weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
@@ -72,8 +72,8 @@ def read_config(path: Path) -> ModelConfig:
 
 def _vision_language_family(config: dict[str, Any]) -> Any:
     """The module reading a vision-language checkpoint of this config's architecture (llava.py,
-    idefics3.py), or None for a text model."""
-    families = {llava.ARCHITECTURE: llava, idefics3.ARCHITECTURE: idefics3}
+    idefics3.py, gemma3.py), or None for a text model."""
+    families = {llava.ARCHITECTURE: llava, idefics3.ARCHITECTURE: idefics3, gemma3.ARCHITECTURE: gemma3}
     for architecture in config.get("architectures") or []:
         if architecture in families:
             return families[architecture]

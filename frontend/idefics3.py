@@ -7,8 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ModelLoadError
-from kiln.frontend.vision import VisionSource, idefics3_vision, image_token_text, read_preprocessor
+from kiln.frontend.vision import (
+    VisionSource,
+    idefics3_vision,
+    image_token_text,
+    language_model_config,
+    read_preprocessor,
+)
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "Idefics3ForConditionalGeneration"
@@ -18,17 +23,7 @@ _VISION_PREFIXES = ("model.vision_model.", "model.connector.")
 
 def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The language model's config.json, as if saved on its own."""
-    text = dict(config.get("text_config") or {})
-    if text.get("model_type", "llama") != "llama":
-        raise ModelLoadError(
-            f"{where}: an Idefics3 language model of type {text.get('model_type')!r} is not supported",
-            hint="supported: llama (SmolVLM's)",
-        )
-    text["architectures"] = ["LlamaForCausalLM"]
-    for key in ("tie_word_embeddings", "eos_token_id"):
-        if key in config and key not in text:
-            text[key] = config[key]
-    return text
+    return language_model_config(config, where, "Idefics3", {"llama": "LlamaForCausalLM"}, "llama")
 
 
 def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:

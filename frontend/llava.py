@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ModelLoadError
-from kiln.frontend.vision import VisionSource, image_token_text, llava_vision
+from kiln.frontend.vision import VisionSource, image_token_text, language_model_config, llava_vision
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -31,18 +30,7 @@ _VISION_PREFIXES = (
 
 def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The language model's config.json, as if saved on its own."""
-    text = dict(config.get("text_config") or {})
-    model_type = text.get("model_type", "llama")
-    if model_type not in TEXT_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: a LLaVA language model of type {model_type!r} is not supported",
-            hint=f"supported: {', '.join(sorted(TEXT_ARCHITECTURES))}",
-        )
-    text["architectures"] = [TEXT_ARCHITECTURES[model_type]]
-    for key in ("tie_word_embeddings", "eos_token_id"):
-        if key in config and key not in text:
-            text[key] = config[key]
-    return text
+    return language_model_config(config, where, "LLaVA", TEXT_ARCHITECTURES, "llama")
 
 
 def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:

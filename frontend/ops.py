@@ -29,11 +29,16 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    positions: None = None,
+    visible_ends: torch.Tensor | None = None,
     *,
     layer: int,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """`positions` stays None here (the rope fusion fills it); `visible_ends`: the step's, for a model
+    whose images attend both ways (ir/step.py VISIBLE_ENDS_INPUT). Pass them positionally, as the op's
+    9th and 10th inputs, only with `visible_ends`."""
     return get_op("paged_attention").reference(
         q,
         k,
@@ -43,6 +48,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        positions,
+        visible_ends,
         layer=layer,
         scale=scale,
         sliding_window=sliding_window,

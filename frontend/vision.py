@@ -3,8 +3,9 @@ as a torch module with its weights, the types of its inputs, and what the runtim
 into the rows that take its placeholder tokens' places (runtime/vision.py's VisionSpec, written into the
 artifact's manifest as `vision`).
 
-Families: LLaVA (CLIP + MLP projector, `LlavaForConditionalGeneration` directories) and Idefics3 /
-SmolVLM (SigLIP over each tile + pixel shuffle + connector, `Idefics3ForConditionalGeneration`).
+Families: LLaVA (CLIP + MLP projector, `LlavaForConditionalGeneration` directories), Idefics3 /
+SmolVLM (SigLIP over each tile + pixel shuffle + connector, `Idefics3ForConditionalGeneration`) and
+Gemma 3 (SigLIP + average pool + norm + projection, `Gemma3ForConditionalGeneration`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,25 @@ def llava_vision(
     return VisionSource(spec, module, input_types(vision))
 
 
+def language_model_config(
+    config: dict[str, Any], where: str, family: str, architectures: dict[str, str], default_type: str
+) -> dict[str, Any]:
+    """A vision-language config's `text_config`, as if its language model were saved on its own (as the
+    causal LM `architectures` names for its model_type)."""
+    text = dict(config.get("text_config") or {})
+    model_type = text.get("model_type", default_type)
+    if model_type not in architectures:
+        raise ModelLoadError(
+            f"{where}: {family}'s language model type {model_type!r} is not supported",
+            hint=f"supported: {', '.join(sorted(architectures))}",
+        )
+    text["architectures"] = [architectures[model_type]]
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
+
+
 def read_preprocessor(path: Path) -> dict[str, Any]:
     """The directory's preprocessor_config.json (the compile checks it with the runtime's reader)."""
     file = path / PREPROCESSOR_FILE
@@ -117,6 +137,48 @@ def idefics3_vision(
     return VisionSource(spec, module, input_types(vision))
 
 
+def gemma3_vision(
+    config: dict[str, Any],
+    weights: dict[str, Any],
+    preprocessor: dict[str, Any],
+    image_token: tuple[str, int],
+    start_token: tuple[str, int],
+    end_token: str,
+    around: str = "\n\n",
+) -> VisionSource:
+    """A Gemma 3 encoder: the image's patches in, its `mm_tokens_per_image` rows out. A prompt marks an
+    image with the start token, which becomes the image's text: `around`, the start token, the image's
+    tokens, the end token, `around` (Gemma3Processor's; llama.cpp's has nothing around); the image's
+    tokens attend to one another both ways."""
+    from kiln.frontend.models.gemma3_vision import (
+        Gemma3VisionConfig,
+        Gemma3VisionProjector,
+        from_gemma3_weights,
+        input_types,
+    )
+
+    vision = Gemma3VisionConfig.from_gemma3(config)
+    module = Gemma3VisionProjector(vision)
+    module.load_state_dict(from_gemma3_weights(vision, _float32(weights)), strict=True)
+    (image_text, image_id), (start_text, start_id) = image_token, start_token
+    spec = VisionSpec(
+        family="gemma3",
+        inputs="siglip",
+        preprocessor=preprocessor,
+        image_token=image_text,
+        image_token_id=image_id,
+        num_image_tokens=vision.tokens_per_image,
+        first_row=0,
+        patch_size=vision.patch_size,
+        hidden_size=vision.text_hidden_size,
+        prompt_token=start_text,
+        prompt_token_id=start_id,
+        image_text=f"{around}{start_text}{image_text * vision.tokens_per_image}{end_token}{around}",
+        bidirectional=True,
+    )
+    return VisionSource(spec, module, input_types(vision))
+
+
 def _float32(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
     from kiln.ir.deferred import materialize
 
@@ -137,19 +199,16 @@ def image_token_text(tokenizer_json: str, token_id: Any, path: Path) -> str:
 
 
 MMPROJ_IMAGE_TOKEN = "<image>"  # the placeholder an Idefics3 / SmolVLM vocabulary has
+GEMMA3_TOKENS = ("<image_soft_token>", "<start_of_image>", "<end_of_image>")  # a Gemma 3 vocabulary's
 
 
 def with_mmproj(source: ModelSource, path: Path) -> ModelSource:
-    """A GGUF model with the image encoder llama.cpp's converter wrote beside it (--mmproj)."""
+    """A GGUF model with the image encoder llama.cpp's converter wrote beside it (--mmproj). A Gemma 3
+    image's prompt text is llama.cpp's (its start token, its tokens, its end token: no blank lines around
+    it as transformers' processor writes)."""
     from kiln.frontend.mmproj import read_mmproj
 
     encoder = read_mmproj(path)
-    if encoder.kind != "idefics3":
-        raise ModelLoadError(
-            f"{path}: a {encoder.kind} image encoder; serving one from an mmproj file is built for idefics3 "
-            "(SmolVLM) so far",
-            hint="compile the model's HF directory instead, or use a SmolVLM GGUF and its mmproj",
-        )
     width = int(encoder.config["text_config"]["hidden_size"])
     if width != source.config.hidden_size:
         raise ModelLoadError(
@@ -157,13 +216,24 @@ def with_mmproj(source: ModelSource, path: Path) -> ModelSource:
             f"{source.config.hidden_size}",
             hint="pass the mmproj file converted from the same model",
         )
+    if encoder.kind == "gemma3":
+        image, start, end = (_vocabulary_token(source, token) for token in GEMMA3_TOKENS)
+        vision = gemma3_vision(
+            encoder.config, encoder.tensors, encoder.preprocessor, image, start, end[0], ""
+        )
+    else:
+        image_token, token_id = _vocabulary_token(source, MMPROJ_IMAGE_TOKEN)
+        vision = idefics3_vision(encoder.config, encoder.tensors, encoder.preprocessor, image_token, token_id)
+    config = dataclasses.replace(
+        source.config, image_rows=True, bidirectional_images=vision.spec.bidirectional
+    )
+    return dataclasses.replace(source, config=config, vision=vision)
+
+
+def _vocabulary_token(source: ModelSource, token: str) -> tuple[str, int]:
     from tokenizers import Tokenizer
 
-    token_id = Tokenizer.from_str(source.tokenizer.tokenizer_json).token_to_id(MMPROJ_IMAGE_TOKEN)
+    token_id = Tokenizer.from_str(source.tokenizer.tokenizer_json).token_to_id(token)
     if token_id is None:
-        raise ModelLoadError(f"{source.path}: the vocabulary has no {MMPROJ_IMAGE_TOKEN} token for images")
-    vision = idefics3_vision(
-        encoder.config, encoder.tensors, encoder.preprocessor, MMPROJ_IMAGE_TOKEN, token_id
-    )
-    config = dataclasses.replace(source.config, image_rows=True)
-    return dataclasses.replace(source, config=config, vision=vision)
+        raise ModelLoadError(f"{source.path}: the vocabulary has no {token} token for images")
+    return token, token_id

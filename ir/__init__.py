@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from kiln.ir.ops import REGISTRY, OpDef, get_op
     from kiln.ir.program import Program
     from kiln.ir.serialize import graph_from_json, graph_to_json, load_weights, save_weights
-    from kiln.ir.step import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, STEP_INPUT_TYPES, StepInputs, kv_cache_type
+    from kiln.ir.step import (
+        IMAGE_ROWS_INPUT,
+        KV_CACHE_INPUT,
+        STEP_INPUT_TYPES,
+        VISIBLE_ENDS_INPUT,
+        StepInputs,
+        kv_cache_type,
+    )
     from kiln.ir.text import parse_graph, print_graph, structural_equal
     from kiln.ir.types import DTYPES, QuantLayout, TensorType
     from kiln.ir.verifier import verify
@@ -36,6 +43,7 @@ _MODULE_OF = {
     "load_weights": "serialize",
     "save_weights": "serialize",
     "IMAGE_ROWS_INPUT": "step",
+    "VISIBLE_ENDS_INPUT": "step",
     "KV_CACHE_INPUT": "step",
     "STEP_INPUT_TYPES": "step",
     "StepInputs": "step",
@@ -54,6 +62,7 @@ __all__ = [
     "KV_CACHE_INPUT",
     "REGISTRY",
     "STEP_INPUT_TYPES",
+    "VISIBLE_ENDS_INPUT",
     "Graph",
     "GraphBuilder",
     "IRError",

@@ -28,6 +28,11 @@ KV_CACHE_INPUT = "kv_cache"
 # A vision-language model's step also takes image_rows [E, hidden] (float32): a token id of V + e (V the
 # vocabulary size) stands for row e, an image's embedding placed where its placeholder token was.
 IMAGE_ROWS_INPUT = "image_rows"
+# A model whose image tokens attend to each other both ways (Gemma 3) also takes visible_ends [T] (i64):
+# each token's query sees keys at positions < its end (position + 1, or for an image token the end of its
+# image, whose tokens are then all in the same step). build_step_inputs makes it with `bidirectional_images`.
+VISIBLE_ENDS_INPUT = "visible_ends"
+VISIBLE_ENDS_TYPE = TensorType("i64", ("T",))
 IndexArray = npt.NDArray[np.int64]
 Logits = npt.NDArray[np.float32]  # [rows, vocab] on the host: what a step returns, what the sampler reads
 
@@ -49,9 +54,10 @@ class StepInputs:
     query_start_loc: IndexArray
     logits_indices: IndexArray
     image_rows: npt.NDArray[np.float32] | None = None  # a vision-language model's (IMAGE_ROWS_INPUT)
+    visible_ends: IndexArray | None = None  # a model with bidirectional images' (VISIBLE_ENDS_INPUT)
 
     def as_dict(self) -> dict[str, npt.NDArray[Any]]:
-        """The step's inputs by name (image_rows only where there are some)."""
+        """The step's inputs by name (image_rows and visible_ends only where there are some)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
@@ -73,10 +79,15 @@ class SequenceSlice:
 
 
 def build_step_inputs(
-    slices: Sequence[SequenceSlice], block_size: int, vocab_size: int | None = None
+    slices: Sequence[SequenceSlice],
+    block_size: int,
+    vocab_size: int | None = None,
+    bidirectional_images: bool = False,
 ) -> StepInputs:
     """`vocab_size`: where a vision-language model's image rows are numbered from (IMAGE_ROWS_INPUT),
-    needed where a slice has image tokens; a step without any has no image_rows."""
+    needed where a slice has image tokens; a step without any has no image_rows. `bidirectional_images`:
+    the step has visible_ends, where each run of consecutive image tokens in a slice is one image that
+    ends in that slice (the scheduler never cuts a chunk inside one)."""
     token_ids: list[int] = []
     image_rows: list[npt.NDArray[np.float32]] = []
     num_image_rows = 0
@@ -85,6 +96,7 @@ def build_step_inputs(
     seq_lens: list[int] = []
     query_start_loc = [0]
     logits_indices: list[int] = []
+    visible_ends: list[int] = []
     for piece in slices:
         seq_len = piece.num_cached + len(piece.token_ids)
         if len(piece.block_table) * block_size < seq_len:
@@ -104,6 +116,8 @@ def build_step_inputs(
                 token_ids[first_row + offset] = vocab_size + num_image_rows + k
             image_rows.append(piece.image_rows)
             num_image_rows += len(piece.image_at)
+        if bidirectional_images:
+            visible_ends += _visible_ends(piece)
         logits_indices += [query_start_loc[-1] + (i % len(piece.token_ids)) for i in piece.logits_at]
         seq_lens.append(seq_len)
         query_start_loc.append(len(token_ids))
@@ -122,4 +136,21 @@ def build_step_inputs(
         query_start_loc=tensor(query_start_loc),
         logits_indices=tensor(logits_indices),
         image_rows=np.concatenate(image_rows).astype(np.float32, copy=False) if image_rows else None,
+        visible_ends=tensor(visible_ends) if bidirectional_images else None,
     )
+
+
+def causal_visible_ends(inputs: StepInputs) -> IndexArray:
+    """visible_ends for a step without images: every token sees up to itself."""
+    return inputs.positions + 1
+
+
+def _visible_ends(piece: SequenceSlice) -> list[int]:
+    """Each token's position + 1, except an image token's: the position after the last token of its run
+    of consecutive image tokens."""
+    ends = [piece.num_cached + offset + 1 for offset in range(len(piece.token_ids))]
+    image = set(piece.image_at)
+    for offset in sorted(image, reverse=True):
+        if offset + 1 in image:
+            ends[offset] = ends[offset + 1]
+    return ends

@@ -21,7 +21,10 @@ class VisionSpec:
     `inputs`: how an image's pixel values become the encoder's inputs ("clip": a class-token row, then
     the patches: `clip_encoder_inputs`); `first_row`: the encoder's output rows before the image's own
     (the class token's, which LLaVA's default strategy drops); `num_image_tokens`: the rows an image takes
-    in the prompt, each at one `image_token_id`."""
+    in the prompt, each at one `image_token_id`. A prompt marks an image with `image_token` once (or with
+    `prompt_token` where the family's differs, Gemma 3's `<start_of_image>`), which becomes the image's
+    placeholder text (`image_text` where the family has a fixed one; else the image token a row).
+    `bidirectional`: an image's tokens attend to one another both ways (ir/step.py visible_ends)."""
 
     family: str
     inputs: str
@@ -32,6 +35,19 @@ class VisionSpec:
     first_row: int
     patch_size: int
     hidden_size: int  # the text model's: each row's width
+    prompt_token: str | None = None
+    prompt_token_id: int | None = None
+    image_text: str | None = None
+    bidirectional: bool = False
+
+    @property
+    def placeholder_text(self) -> str:
+        """What a prompt holds once where an image goes."""
+        return self.prompt_token or self.image_token
+
+    @property
+    def placeholder_id(self) -> int:
+        return self.image_token_id if self.prompt_token_id is None else self.prompt_token_id
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -20,7 +20,7 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
-from kiln.runtime.sequence import PromptImages, Request, Sequence, SequenceStatus
+from kiln.runtime.sequence import PromptImages, Request, Sequence, SequenceStatus, image_spans
 from kiln.runtime.speculative.decoder import SpeculativeDecoder, SpeculativeStats
 from kiln.runtime.speculative.proposer import make_proposer
 from kiln.runtime.structured_output import Constraint, Grammars
@@ -69,6 +69,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vision = vision
         self.image_row_base = vocab_size or tokenizer.vocab_size  # token id base + e: image row e
+        self.bidirectional_images = vision is not None and vision.spec.bidirectional
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
         specs = [executable.kv_cache_spec] + ([draft.kv_cache_spec] if draft is not None else [])
@@ -203,9 +204,13 @@ class LLMEngine:
             raise ValueError("this model takes text only: a prompt may not hold images")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         placeholders = [image.placeholder for image in images]
-        expanded, positions = place_images(token_ids, placeholders, self.vision.spec.image_token_id)
+        spec = self.vision.spec
+        expanded, positions = place_images(token_ids, placeholders, spec.image_token_id, spec.placeholder_id)
         rows = np.concatenate([image.rows for image in images]).astype(np.float32, copy=False)
-        return expanded, PromptImages(rows, positions, cache_key_ids(expanded, positions, images))
+        keys = cache_key_ids(expanded, positions, images)
+        return expanded, PromptImages(
+            rows, positions, keys, image_spans(positions) if spec.bidirectional else ()
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not (or no longer) here."""
@@ -253,7 +258,7 @@ class LLMEngine:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
-        inputs = build_step_inputs(slices, self.block_size, self.image_row_base)
+        inputs = build_step_inputs(slices, self.block_size, self.image_row_base, self.bidirectional_images)
         started = time.perf_counter()
         logits = self.executable.step(inputs, self.kv_cache)
         self.scheduler.step_cost.observe(

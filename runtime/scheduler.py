@@ -169,6 +169,7 @@ class Scheduler:
         if seq.draft_token_ids and not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
             seq.draft_token_ids = []  # drafts never cost another sequence its blocks
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        num_new = _whole_images(seq, seq.num_computed_tokens, num_new)
         if not self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, output):
             return 0
         output.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
@@ -207,7 +208,7 @@ class Scheduler:
             whole_fits = remaining <= self.config.max_num_batched_tokens
             if not self.config.enable_chunked_prefill and remaining > budget and whole_fits:
                 break
-            num_new = min(remaining, budget)
+            num_new = _whole_images(seq, num_computed, min(remaining, budget))
             if not self.kv.allocate(seq.seq_id, num_computed + num_new, cached):
                 break
             self.waiting.popleft()
@@ -220,3 +221,12 @@ class Scheduler:
             self.running.append(seq)
             output.chunks.append(ScheduledChunk(seq, num_computed, num_new))
             budget -= num_new
+
+
+def _whole_images(seq: Sequence, start: int, num_new: int) -> int:
+    """`num_new` tokens from `start`, moved so that the chunk holds whole any image it touches whose
+    tokens attend both ways (Gemma 3's)."""
+    images = seq.request.images
+    if images is None or not images.whole_spans:
+        return num_new
+    return images.chunk_end(start, start + num_new) - start

@@ -72,11 +72,27 @@ class PromptImages:
     rows: npt.NDArray[np.float32]
     positions: npt.NDArray[np.int64]
     cache_key_ids: list[int]  # the prompt's ids, an image's tokens standing for its digest
+    # [start, end) of each image whose tokens attend both ways: a step computes one whole or none of it
+    whole_spans: tuple[tuple[int, int], ...] = ()
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk of prompt positions [start, end) may end: before an image it would cut, or
+        after it where the chunk starts inside it (a step then computes more than asked)."""
+        for span_start, span_end in self.whole_spans:
+            if span_start < end < span_end:
+                return span_start if span_start > start else span_end
+        return end
 
     def in_range(self, start: int, end: int) -> tuple[list[int], npt.NDArray[np.float32]]:
         """(offsets from `start`, rows) of the image tokens at prompt positions [start, end)."""
         first, last = np.searchsorted(self.positions, [start, end])
         return (self.positions[first:last] - start).tolist(), self.rows[first:last]
+
+
+def image_spans(positions: npt.NDArray[np.int64]) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each run of consecutive image positions."""
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    return tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks) if len(run))
 
 
 @dataclass(eq=False)

@@ -96,30 +96,40 @@ class VisionModel:
 
     def _placeholder(self, rows: int, cols: int) -> tuple[int, ...]:
         spec = self.spec
-        if not isinstance(self.processing, TiledImageProcessing):
+        tiled = isinstance(self.processing, TiledImageProcessing)
+        if not tiled and spec.image_text is None:
             return (spec.image_token_id,) * spec.num_image_tokens
         if self.tokenizer is None:
-            raise ValueError("a tiled image's placeholder text needs the model's tokenizer")
-        text = idefics3_image_text(rows, cols, spec.num_image_tokens, spec.image_token)
+            raise ValueError(f"a {spec.family} image's placeholder text needs the model's tokenizer")
+        if tiled:
+            text = idefics3_image_text(rows, cols, spec.num_image_tokens, spec.image_token)
+        else:
+            assert spec.image_text is not None
+            text = spec.image_text
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def place_images(
-    token_ids: Sequence[int], placeholders: Sequence[Sequence[int]], image_token_id: int
+    token_ids: Sequence[int],
+    placeholders: Sequence[Sequence[int]],
+    image_token_id: int,
+    placeholder_id: int | None = None,
 ) -> tuple[list[int], npt.NDArray[np.int64]]:
-    """The prompt with each image's one placeholder token replaced by its `placeholders` ids (which hold
-    the image token once a row), and the positions of every image row in it, in order. The prompt holds
-    either one placeholder per image (as a chat template writes it) or every image's ids already; anything
-    else is a ValueError."""
-    at = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    """The prompt with each image's one placeholder token (`placeholder_id`, by default the image token)
+    replaced by its `placeholders` ids (which hold the image token once a row), and the positions of every
+    image row in it, in order. The prompt holds either one placeholder per image (as a chat template
+    writes it) or every image's ids already; anything else is a ValueError."""
+    rows_at = [i for i, token in enumerate(token_ids) if token == image_token_id]
     total = sum(sum(1 for token in ids if token == image_token_id) for ids in placeholders)
-    if len(at) == total:
-        return list(token_ids), np.asarray(at, np.int64)
-    if len(at) != len(placeholders):
+    if len(rows_at) == total:
+        return list(token_ids), np.asarray(rows_at, np.int64)
+    marker = image_token_id if placeholder_id is None else placeholder_id
+    at = [i for i, token in enumerate(token_ids) if token == marker]
+    if len(at) != len(placeholders) or (marker != image_token_id and rows_at):
         raise ValueError(
-            f"the prompt has {len(at)} image placeholder tokens (id {image_token_id}) for "
-            f"{len(placeholders)} images; put one placeholder where each image goes (or {total} in all, "
-            "each image's tokens)"
+            f"the prompt has {len(at)} image placeholder tokens (id {marker}) for "
+            f"{len(placeholders)} images; put one placeholder where each image goes (or {total} image "
+            f"tokens, id {image_token_id}, in all: each image's)"
         )
     expanded: list[int] = []
     last = 0

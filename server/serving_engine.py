@@ -208,7 +208,9 @@ class OpenAIServing:
         vision = self.engine.vision
         assert vision is not None
         try:
-            expanded, _ = place_images(token_ids, placeholders, vision.spec.image_token_id)
+            expanded, _ = place_images(
+                token_ids, placeholders, vision.spec.image_token_id, vision.spec.placeholder_id
+            )
         except ValueError as error:
             raise bad_request(str(error), param) from None
         return expanded
@@ -238,7 +240,7 @@ class OpenAIServing:
             )
         images = self.load_images(messages)
         vision = self.engine.vision
-        image_token = vision.spec.image_token if vision is not None and images else None
+        image_token = vision.spec.placeholder_text if vision is not None and images else None
         chat = template_messages(list(messages), image_token, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(

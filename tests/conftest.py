@@ -608,10 +608,15 @@ def save_tiny_llava(
 
 
 def save_word_tokenizer(
-    folder: Path, words: dict[str, int], eos_token: str, special: list[str] | None = None
+    folder: Path,
+    words: dict[str, int],
+    eos_token: str,
+    special: list[str] | None = None,
+    image_placeholder: str = "<image>",
 ) -> Any:
     """A whitespace tokenizer of `words` (and <unk>, id 0), decoded with spaces between words, with the
-    tiny vision models' chat template, saved at `folder`; returns transformers' tokenizer."""
+    tiny vision models' chat template (an image part written as `image_placeholder`), saved at `folder`;
+    returns transformers' tokenizer."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -622,7 +627,7 @@ def save_word_tokenizer(
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", eos_token=eos_token, **extra
     )
-    tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE
+    tokenizer.chat_template = TINY_LLAVA_CHAT_TEMPLATE.replace("<image>", image_placeholder)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -695,6 +700,67 @@ def save_tiny_idefics3(folder: Path) -> Any:
 @pytest.fixture(scope="session")
 def tiny_idefics3() -> Callable[..., Any]:
     return save_tiny_idefics3
+
+
+GEMMA3_SPECIAL = ["<start_of_image>", "<end_of_image>", "<end_of_turn>", "<image_soft_token>"]  # 296..299
+
+
+def save_tiny_gemma3(folder: Path) -> Any:
+    """A random-weight Gemma3ForConditionalGeneration (SigLIP over 32 x 32 images of 4 x 4 patches,
+    pooled to 16 tokens; a Gemma 3 text model of 300 tokens with a sliding layer of window 8 and a full
+    one) saved at `folder` with a whitespace tokenizer (words t1..t295, Gemma 3's image tokens 296..299),
+    a chat template and a Gemma 3 image processor; returns the model."""
+    import torch
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        image_size=32,
+        patch_size=4,
+        vision_use_head=False,
+    )
+    text = transformers.Gemma3TextConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        head_dim=16,
+        vocab_size=300,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=298,
+    )
+    config = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=16,
+        boi_token_index=296,
+        eoi_token_index=297,
+        image_token_index=299,
+        eos_token_id=298,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random norms, biases and projection too, so a wrong mapping shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "projection" in name:
+                parameter.normal_(0, 0.5)
+            if "input_projection" in name:  # llama.cpp's converter stores it as float16: no rounding then
+                parameter.copy_(parameter.half().float())
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(1, 296)} | {token: 296 + i for i, token in enumerate(GEMMA3_SPECIAL)}
+    save_word_tokenizer(folder, vocab, "<end_of_turn>", GEMMA3_SPECIAL, "<start_of_image>")
+    transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3() -> Callable[..., Any]:
+    return save_tiny_gemma3
 
 
 @pytest.fixture(scope="session")

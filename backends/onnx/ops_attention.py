@@ -9,8 +9,9 @@ the run. Inside the run, attention must already see this step's K/V, so per laye
 2. ScatterND this step's K/V into that small copy at (sequence, position) — padding tokens (slot < 0)
    write back what is there, so they stay invisible as in the reference;
 3. pad the ragged queries to [B, Qmax] rows, multiply with the keys of their own sequence (GQA: the
-   query heads of one KV head share its keys), mask keys after the query's position (and outside the
-   sliding window) to the lowest float, softmax, multiply with V, gather the T real rows back.
+   query heads of one KV head share its keys), mask keys after the query's position (or from its
+   visible end on, where the op has visible_ends) and outside the sliding window to the lowest float,
+   softmax, multiply with V, gather the T real rows back.
 
 Masked keys get probability exactly 0, so a row's result does not depend on what else is batched.
 The indices (sequence of each token, padded rows, positions, masks) are built once per graph.
@@ -99,12 +100,17 @@ def _step_indices(ctx: LoweringContext, group: int) -> StepIndices:
     )
 
 
-def _mask(ctx: LoweringContext, idx: StepIndices, window: int | None) -> str:
-    """[B, 1, Qmax, 1, S] bool: which keys each padded query row sees."""
+def _mask(ctx: LoweringContext, idx: StepIndices, window: int | None, visible_ends: str | None) -> str:
+    """[B, 1, Qmax, 1, S] bool: which keys each padded query row sees (with `visible_ends`, the keys
+    before its row's end instead of those up to its position)."""
     b = ctx.b
     keys = b.op("Unsqueeze", idx.key_positions, b.const([0, 1]))  # [1, 1, S]
     queries = b.op("Unsqueeze", idx.query_positions, b.const([2]))  # [B, Qmax, 1]
-    visible = b.op("LessOrEqual", keys, queries)
+    if visible_ends is None:
+        visible = b.op("LessOrEqual", keys, queries)
+    else:
+        ends = b.op("Gather", visible_ends, idx.pad_rows, axis=0)  # [B, Qmax]
+        visible = b.op("Less", keys, b.op("Unsqueeze", ends, b.const([2])))
     if window is not None:
         oldest = b.op("Sub", queries, b.const(window))
         visible = b.op("And", visible, b.op("Greater", keys, oldest))
@@ -223,7 +229,10 @@ def _paged_attention(ctx: LoweringContext, node: Node, outputs: list[str]) -> st
     ctx.kv_outputs[layer] = (k, v)
 
     idx = ctx.cached(("attention", group), lambda: _step_indices(ctx, group))
-    mask = ctx.cached(("mask", window), lambda: _mask(ctx, idx, window if isinstance(window, int) else None))
+    ends_value = node.inputs[9] if len(node.inputs) > 9 else None
+    ends = ctx.name(ends_value) if ends_value is not None else None
+    window_size = window if isinstance(window, int) else None
+    mask = ctx.cached(("mask", window, ends), lambda: _mask(ctx, idx, window_size, ends))
     keys = _cache_pages(ctx, idx, layer, 0, k)
     values = _cache_pages(ctx, idx, layer, 1, v)
     if cache_dtype != "f32":

@@ -12,8 +12,9 @@ import torch
 
 from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits
 from kiln.backends.onnx import WeightBinding, materialize
-from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, StepInputs
+from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, StepInputs
 from kiln.ir.host_arrays import as_torch
+from kiln.ir.step import causal_visible_ends
 
 _NUMPY = {
     torch.float32: np.float32,
@@ -87,6 +88,7 @@ class OnnxRuntimeExecutable:
         inputs = {i.name: i for i in self.session.get_inputs()}
         image_rows = inputs.get(IMAGE_ROWS_INPUT)
         self._image_rows = int(image_rows.shape[1]) if image_rows is not None else None  # its hidden size
+        self._visible_ends = VISIBLE_ENDS_INPUT in inputs
 
     @staticmethod
     def _bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
@@ -105,7 +107,10 @@ class OnnxRuntimeExecutable:
         if not kv_cache.is_contiguous():
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()
-        given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in inputs.as_dict().items()}
+        arrays = inputs.as_dict()
+        if self._visible_ends and VISIBLE_ENDS_INPUT not in arrays:
+            arrays[VISIBLE_ENDS_INPUT] = causal_visible_ends(inputs)
+        given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in arrays.items()}
         if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
             given[IMAGE_ROWS_INPUT] = torch.zeros((0, self._image_rows), device=kv_cache.device)
         for name, tensor in given.items():

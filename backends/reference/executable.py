@@ -12,9 +12,10 @@ import numpy.typing as npt
 import torch
 
 from kiln.backends.base import KVCacheSpec, Logits
-from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, Graph, StepInputs, verify
+from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, Graph, StepInputs, verify
 from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
+from kiln.ir.step import causal_visible_ends
 
 
 class ReferenceExecutable:
@@ -27,11 +28,14 @@ class ReferenceExecutable:
         self._last_uses = last_uses(graph)
         widths = [int(v.type.shape[1]) for v in graph.inputs if v.name == IMAGE_ROWS_INPUT]
         self._image_rows = widths[0] if widths else None  # a vision-language model's hidden size
+        self._visible_ends = any(v.name == VISIBLE_ENDS_INPUT for v in graph.inputs)
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         given = {**inputs.as_dict(), KV_CACHE_INPUT: kv_cache}
         if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
             given[IMAGE_ROWS_INPUT] = torch.zeros(0, self._image_rows, dtype=torch.float32)
+        if self._visible_ends and VISIBLE_ENDS_INPUT not in given:
+            given[VISIBLE_ENDS_INPUT] = causal_visible_ends(inputs)
         (logits,) = interpret(self.graph, self.weights, given, self._last_uses)
         return logits.to(torch.float32).numpy()
 

@@ -3,7 +3,8 @@
 <target>/step.so     the compiled `step` and, on the CPU, `decode` (Relax VM executable and its kernels;
                      no weights)
 <target>/step.json   the weight parameters and their layouts, the KV cache spec, target details, the
-                     functions in step.so
+                     functions in step.so, the optional inputs they take (image_rows: its width;
+                     visible_ends: whether; an artifact from before the field takes none)
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from kiln.backends.base import (
 from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
-from kiln.backends.tvm.executable import STEP_ABI, TVMExecutable, set_threads, tvm_version
+from kiln.backends.tvm.executable import (
+    STEP_ABI,
+    TVMExecutable,
+    set_threads,
+    takes_visible_ends,
+    tvm_version,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +147,7 @@ class TVMBackend:
             "functions": lowered.functions,
             "kv_cache": kv_cache_fields(program.graph),
             "image_rows": image_rows_width(program.graph),
+            "visible_ends": takes_visible_ends(program.graph),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
         from kiln.backends.tvm.layouts import stored_weights
@@ -193,6 +201,7 @@ class TVMBackend:
             description.get("functions", ["step"]),
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
             image_rows=description.get("image_rows"),
+            visible_ends=description.get("visible_ends", False),
         )
 
     def compile_encoder(

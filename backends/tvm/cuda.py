@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
-from kiln.backends.kv_manifest import kv_cache_fields
+from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
-from kiln.backends.tvm.executable import STEP_ABI
+from kiln.backends.tvm.executable import STEP_ABI, takes_visible_ends
 from kiln.backends.tvm.layouts import stored_weights
 from kiln.ir import Program, graph_to_json
 
@@ -235,6 +235,8 @@ def compile_cuda(
         "params": result["params"],
         "functions": result["functions"],
         "kv_cache": kv_cache,
+        "image_rows": image_rows_width(program.graph),
+        "visible_ends": takes_visible_ends(program.graph),
         "cuda_graph": graphs,
     }
     (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")

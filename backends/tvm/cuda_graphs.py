@@ -74,6 +74,7 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
         seq_lens=padded(inputs.seq_lens, 0),
         query_start_loc=padded(inputs.query_start_loc, sequences),
         logits_indices=np.arange(bucket, dtype=np.int64),
+        visible_ends=None if inputs.visible_ends is None else padded(inputs.visible_ends, 1),
     )
 
 

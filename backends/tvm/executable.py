@@ -25,18 +25,21 @@ from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits, check
 from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
-from kiln.ir.step import IndexArray, StepInputs
+from kiln.ir.step import VISIBLE_ENDS_INPUT, IndexArray, StepInputs
 
 if TYPE_CHECKING:
     import torch
 
+    from kiln.ir import Graph
     from kiln.ir.deferred import Weight
 
 ROW_BLOCK = 4
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
 # 2: (token_ids[tq,4], positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-#     logits_indices[lq,4], kv_cache, row_counts[2], *weights)
+#     logits_indices[lq,4], kv_cache, row_counts[2], *weights); a vision-language model's image_rows
+#     after kv_cache, then a model with bidirectional images' visible_ends[tq,4] (lowering.py)
 STEP_ABI = 2
+STEP_INPUTS = 7  # the step contract's inputs before kv_cache
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
 _cuda_runtime_loaded = False
@@ -139,10 +142,16 @@ def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copy
 
 
-def step_tensors(inputs: StepInputs) -> list[IndexArray]:
-    """The compiled function's host inputs before the cache (rows padded), then `row_counts`, in
-    arrays of their own (HostStepBuffers reuses its arrays from step to step)."""
-    return HostStepBuffers().tensors(inputs)
+def takes_visible_ends(graph: Graph) -> bool:
+    """Whether the step compiled from `graph` takes visible_ends (ir/step.py VISIBLE_ENDS_INPUT)."""
+    return any(value.name == VISIBLE_ENDS_INPUT for value in graph.inputs)
+
+
+def step_tensors(inputs: StepInputs, visible_ends: bool = False) -> list[IndexArray]:
+    """The compiled function's host token inputs (rows padded): the step contract's STEP_INPUTS, then
+    visible_ends where the function takes it (`visible_ends`), then `row_counts`, in arrays of their
+    own (HostStepBuffers reuses its arrays from step to step)."""
+    return HostStepBuffers(visible_ends).tensors(inputs)
 
 
 class HostStepBuffers:
@@ -150,8 +159,9 @@ class HostStepBuffers:
     when a step needs more: no allocation on the decode loop's critical path. A CPU step finishes
     before the next is built, so each buffer is free again when the next step fills it."""
 
-    def __init__(self) -> None:
-        self._buffers: list[IndexArray | None] = [None] * 8
+    def __init__(self, visible_ends: bool = False) -> None:
+        self.visible_ends = visible_ends  # the function takes visible_ends
+        self._buffers: list[IndexArray | None] = [None] * 9
 
     def tensors(self, inputs: StepInputs) -> list[IndexArray]:
         num_logits = inputs.logits_indices.shape[0]
@@ -163,8 +173,17 @@ class HostStepBuffers:
             self._copy(4, inputs.seq_lens),
             self._copy(5, inputs.query_start_loc),
             self._rows(6, inputs.logits_indices, 0),
+            *([self._visible_ends(8, inputs)] if self.visible_ends else []),
             self._copy(7, np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64)),
         ]
+
+    def _visible_ends(self, index: int, inputs: StepInputs) -> IndexArray:
+        """The step's visible_ends; without any (a step without images), each row's position + 1."""
+        if inputs.visible_ends is not None:
+            return self._rows(index, inputs.visible_ends, 1)
+        ends = self._rows(index, inputs.positions, 0)
+        ends += 1
+        return ends
 
     def _take(self, index: int, size: int) -> IndexArray:
         buffer = self._buffers[index]
@@ -196,9 +215,11 @@ class TVMExecutable:
         functions: list[str] | None = None,
         cuda_graphs: bool = False,
         image_rows: int | None = None,
+        visible_ends: bool = False,
     ) -> None:
         """`image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
-        IMAGE_ROWS_INPUT), None for a text model."""
+        IMAGE_ROWS_INPUT), None for a text model. `visible_ends`: the step takes visible_ends
+        (VISIBLE_ENDS_INPUT); a step given none gets each row's position + 1."""
         if device == "cuda":
             import torch  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
 
@@ -220,7 +241,8 @@ class TVMExecutable:
         else:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
-        self._host_buffers = HostStepBuffers()
+        self.visible_ends = visible_ends
+        self._host_buffers = HostStepBuffers(visible_ends)
         self._no_image_rows: Any = None
         if image_rows is not None:
             self._no_image_rows = _aligned_empty((0, image_rows), np.dtype(np.float32))
@@ -296,7 +318,7 @@ class TVMExecutable:
             ) from None
 
     def step_tensors(self, inputs: StepInputs) -> list[IndexArray]:
-        return step_tensors(inputs)
+        return step_tensors(inputs, self.visible_ends)
 
     def upload(self, arrays: list[IndexArray]) -> list[torch.Tensor]:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
@@ -309,13 +331,14 @@ class TVMExecutable:
         *inputs, row_counts = tensors
         if self._cache_arg is None or self._cache_arg[0] is not kv_cache:
             self._cache_arg = (kv_cache, self._tvm_tensor(kv_cache))
-        packed = [ffi.from_dlpack(a) for a in inputs]
+        packed = [ffi.from_dlpack(a) for a in inputs[:STEP_INPUTS]]
         packed.append(self._cache_arg[1])
         if self._no_image_rows is not None:
             rows = self._no_image_rows
             if image_rows is not None:  # on the host for a CPU, uploaded already for a GPU
                 rows = host_aligned(image_rows) if self.device == "cpu" else image_rows
             packed.append(ffi.from_dlpack(rows))
+        packed += [ffi.from_dlpack(a) for a in inputs[STEP_INPUTS:]]  # visible_ends, where it takes it
         packed.append(ffi.from_dlpack(row_counts))
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function

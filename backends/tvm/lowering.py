@@ -9,6 +9,10 @@ register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4
          query_start_loc[B1], logits_indices[lq, 4], kv_cache[layers, 2, NB, BS, kv_heads, head_dim],
          *weights) -> logits[lq * 4, vocab]
 
+A vision-language model's step also takes image_rows[E, hidden] after kv_cache, and a model whose
+images attend both ways visible_ends[tq, 4] after those (wherever its graph has it); then come
+row_counts[2] (the real token and logits rows) and the weights.
+
 On the CPU a second function, `decode`, has the same inputs and params with `tq` = `lq` = 1 (at most 4
 token rows and 4 logits rows: single-stream decode); it shares the generic kernels with `step`, except
 where a kernel specialized to those rows exists (`DecodeKernels`: the tuned ones, see tuning.py).
@@ -20,7 +24,7 @@ model line it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tvm import relax, tirx
@@ -44,7 +48,7 @@ from kiln.backends.tvm.lowerer import (
     Schedule,
 )
 from kiln.backends.tvm.lowering_registry import LOWERINGS
-from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, TensorType
+from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, VISIBLE_ENDS_INPUT, Graph, TensorType
 
 DECODE_BLOCKS = 1  # tq and lq of `decode`
 ENCODE_IMAGE = "encode_image"
@@ -70,6 +74,12 @@ class LoweredStep:
 def _padded(tensor_type: TensorType) -> bool:
     """Whether an input's rows are the executable's padded token (T) or logits (L) rows."""
     return tensor_type.rank >= 1 and tensor_type.shape[0] in ("T", "L")
+
+
+def _in_call_order(graph: Graph) -> Graph:
+    """`graph` with visible_ends, where it has one, as its last input: the step's calling convention."""
+    inputs = sorted(graph.inputs, key=lambda value: value.name == VISIBLE_ENDS_INPUT)
+    return replace(graph, inputs=inputs)
 
 
 def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
@@ -131,6 +141,7 @@ def lower_graph(
         raise BackendError(
             problems[0], hint="`--backend reference` runs every op; or add a TVM lowering for this one"
         )
+    graph = _in_call_order(graph)
     lw = Lowerer(graph, target_kind, schedule, int_dot=int_dot_isa, activation_bits=activation_bits)
     _lower_function(lw, "step", None)
     functions = ["step"]

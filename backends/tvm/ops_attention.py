@@ -80,13 +80,18 @@ def _paged_attention(lw: Lowerer, node: Node) -> list[relax.Expr]:
     )
     lw.values[KV_CACHE_INPUT] = cache  # later layers read the cache after this layer's write
     scale, window = float(node.attrs["scale"]), node.attrs.get("sliding_window")
+    visible_ends = node.inputs[9] if len(node.inputs) > 9 else None
+    has_ends = visible_ends is not None
+    ends = [lw.value(visible_ends)] if has_ends else []
     attend = lw.kernel(
         "attention",
-        (heads, kv_heads, head_dim, scale, window, dtype, cache_dtype),
-        lambda: kernels.attention_kernel(heads, kv_heads, head_dim, scale, window, dtype, cache_dtype),
+        (heads, kv_heads, head_dim, scale, window, dtype, cache_dtype, has_ends),
+        lambda: kernels.attention_kernel(
+            heads, kv_heads, head_dim, scale, window, dtype, cache_dtype, visible_ends=has_ends
+        ),
         {},
     )
     out = relax.call_tir(
-        attend, [q, cache, tables, lens, starts, layer, key_scale, value_scale], out_sinfo(lw, node)
+        attend, [q, cache, tables, lens, starts, *ends, layer, key_scale, value_scale], out_sinfo(lw, node)
     )
     return [lw.emit(out)]

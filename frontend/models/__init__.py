@@ -23,6 +23,11 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_moe": LlamaForCausalLM,
     "olmoe": LlamaForCausalLM,
 }
+# each family's step with image rows (a vision-language model's language model)
+_WITH_IMAGES: dict[type[nn.Module], type[nn.Module]] = {
+    LlamaForCausalLM: LlamaWithImageRows,
+    gemma3.Gemma3ForCausalLM: gemma3.Gemma3WithImages,
+}
 # HF checkpoints whose weights differ from the definition's: Gemma's norms store w for 1 + w, Phi-3
 # fuses q/k/v and gate/up, mixture-of-experts models store each expert apart
 _HF_WEIGHT_ADAPTERS: dict[str, Callable[[ModelConfig, dict[str, Any]], dict[str, Any]]] = {
@@ -38,9 +43,12 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
     check_architecture(config.architecture, "model config")
     family = _FAMILIES[config.family]
     if config.image_rows:
-        if family is not LlamaForCausalLM:
-            raise ModelLoadError(f"{config.architecture}: image rows are supported for the Llama family only")
-        return LlamaWithImageRows
+        with_images = _WITH_IMAGES.get(family)
+        if with_images is None:
+            raise ModelLoadError(
+                f"{config.architecture}: image rows are supported for the Llama and Gemma 3 families only"
+            )
+        return with_images
     return family
 
 

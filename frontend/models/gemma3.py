@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.models.llama import Attention, LlamaForCausalLM, RMSNorm
+from kiln.frontend.models.llama import Attention, ImageRowsBothWays, LlamaForCausalLM, RMSNorm
 from kiln.frontend.ops import gelu_tanh
 
 
@@ -59,6 +59,7 @@ class DecoderLayer(nn.Module):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
+        visible_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(
             self.input_layernorm(h),
@@ -68,6 +69,7 @@ class DecoderLayer(nn.Module):
             block_tables,
             seq_lens,
             query_start_loc,
+            visible_ends,
         )
         h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
@@ -76,3 +78,8 @@ class DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = DecoderLayer
     scales_embeddings = True
+
+
+class Gemma3WithImages(ImageRowsBothWays, Gemma3ForCausalLM):
+    """Gemma3ForConditionalGeneration's language model: image rows, each image's tokens attending to
+    one another both ways."""

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
+        visible_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
         k = F.linear(x, self.k_proj.weight, self.k_proj.bias)
@@ -109,6 +110,7 @@ class Attention(nn.Module):
             block_tables,
             seq_lens,
             query_start_loc,
+            *(() if visible_ends is None else (None, visible_ends)),
             layer=self.layer,
             scale=self.scale,
             sliding_window=self.sliding_window,
@@ -148,6 +150,7 @@ class DecoderLayer(nn.Module):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
+        visible_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(
             self.input_layernorm(h),
@@ -157,6 +160,7 @@ class DecoderLayer(nn.Module):
             block_tables,
             seq_lens,
             query_start_loc,
+            visible_ends,
         )
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -210,12 +214,15 @@ class LlamaForCausalLM(nn.Module):
         query_start_loc: torch.Tensor,
         logits_indices: torch.Tensor,
         kv_cache: torch.Tensor,
+        visible_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step from the token embeddings on."""
         if self.scales_embeddings:
             h = scale(h, factor=self.config.hidden_size**0.5)
         for layer in self.model.layers:
-            h = layer(h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
+            h = layer(
+                h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, visible_ends
+            )
         h = self.model.norm(h)
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(h, head)
@@ -244,4 +251,39 @@ class LlamaWithImageRows(LlamaForCausalLM):
         h = embedding_with_rows(self.model.embed_tokens.weight, token_ids, image_rows)
         return self.decode(
             h, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices, kv_cache
+        )
+
+
+class ImageRowsBothWays(nn.Module):
+    """A family's step with image rows whose images attend within themselves both ways (Gemma 3's): the
+    `image_rows` and `visible_ends` inputs (ir/step.py). The image rows are not scaled with the text's
+    embeddings (a family that scales them, as Gemma does, gets rows divided by the scale first)."""
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+        image_rows: torch.Tensor,
+        visible_ends: torch.Tensor,
+    ) -> torch.Tensor:
+        assert isinstance(self, LlamaForCausalLM)
+        if self.scales_embeddings:
+            image_rows = scale(image_rows, factor=self.config.hidden_size**-0.5)
+        h = embedding_with_rows(self.model.embed_tokens.weight, token_ids, image_rows)
+        return self.decode(
+            h,
+            positions,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            logits_indices,
+            kv_cache,
+            visible_ends,
         )

@@ -152,6 +152,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     positions: torch.Tensor | None = None,
+    visible_ends: torch.Tensor | None = None,
     *,
     layer: int,
     scale: float,
@@ -169,6 +170,9 @@ def paged_attention(
     kv_cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim]. Sequence b owns query rows
     query_start_loc[b]:query_start_loc[b+1], which are the last tokens of its seq_lens[b] context;
     a query at position p sees keys at positions <= p (and > p - sliding_window when one is set).
+    With `visible_ends` [T] (a model whose images attend within themselves both ways, Gemma 3's), a
+    query sees keys at positions < visible_ends[row] instead of <= p: p + 1 for a text token, the end
+    of its image for an image token (whose keys are all in this step or the cache by then).
     Slots < 0 are padding and are not written.
     """
     if rope is not None:
@@ -196,7 +200,9 @@ def paged_attention(
         values = from_cache(values, value_scale).repeat_interleave(group, dim=1)
         first_position = context - (end - start)
         for row in range(start, end):
-            out[row] = _attend_one(q[row], keys, values, first_position + row - start, scale, sliding_window)
+            position = first_position + row - start
+            last = position if visible_ends is None else int(visible_ends[row]) - 1
+            out[row] = _attend_one(q[row], keys, values, position, last, scale, sliding_window)
     return out
 
 
@@ -205,12 +211,14 @@ def _attend_one(
     keys: torch.Tensor,
     values: torch.Tensor,
     position: int,
+    last: int,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One query row over exactly the keys it may see, so its result never depends on the batch."""
+    """One query row over exactly the keys it may see (from the window's start to `last`), so its
+    result never depends on the batch."""
     lowest = 0 if sliding_window is None else max(0, position - sliding_window + 1)
-    visible_keys, visible_values = keys[lowest : position + 1], values[lowest : position + 1]
+    visible_keys, visible_values = keys[lowest : last + 1], values[lowest : last + 1]
     scores = torch.einsum("hd,khd->hk", query.to(torch.float32), visible_keys) * scale
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hk,khd->hd", probs, visible_values).to(query.dtype)
@@ -251,6 +259,11 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
     rope_attrs = attrs.get("rope")
     positions = inputs[8] if len(inputs) > 8 else None
     require((rope_attrs is None) == (positions is None), "rope attrs and the positions input go together")
+    visible_ends = inputs[9] if len(inputs) > 9 else None
+    require(
+        visible_ends is None or (visible_ends.shape == (q.shape[0],) and visible_ends.dtype == "i64"),
+        "visible_ends must be [T] i64",
+    )
     if rope_attrs is not None:
         require(
             isinstance(rope_attrs, dict) and "theta" in rope_attrs, "rope must hold the rope op's attributes"
@@ -273,7 +286,7 @@ def _infer_paged_attention(inputs: Sequence[TensorType | None], attrs: dict[str,
 register(
     OpDef(
         "paged_attention",
-        (8, 9),
+        (8, 10),
         {
             "layer": "which layer of kv_cache this op reads and writes",
             "rope": "None, or the rope op's attributes: rotate q and k at `positions` (9th input) first",

@@ -38,7 +38,7 @@ def fuse_rope_attention(program: Program, options: PassOptions) -> tuple[Program
             rewriter.keep(node)
             continue
         rope_q, rope_k = pair
-        inputs = [rope_q.inputs[0], rope_k.inputs[0], *node.inputs[2:8], rope_q.inputs[1]]
+        inputs = [rope_q.inputs[0], rope_k.inputs[0], *node.inputs[2:8], rope_q.inputs[1], *node.inputs[9:]]
         (out,) = rewriter.emit("paged_attention", inputs, {**node.attrs, "rope": rope_q.attrs}, node.source)
         rewriter.replace(node.outputs[0], out)
     return rewriter.finish(), True

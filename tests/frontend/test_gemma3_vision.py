@@ -27,46 +27,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3TextConfig,
-        SiglipVisionConfig,
-    )
-
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        image_size=32,
-        patch_size=4,
-        vision_use_head=False,
-    )
-    text = Gemma3TextConfig(
-        hidden_size=48,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=300,
-        head_dim=16,
-    )
-    config = Gemma3Config(
-        vision_config=vision, text_config=text, mm_tokens_per_image=16, image_token_index=299
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # random norms, biases and projection, so a wrong mapping shows
-        for name, parameter in model.named_parameters():
-            if "vision" in name or "projector" in name:
-                if "norm" in name or name.endswith("bias") or "projection" in name:
-                    parameter.normal_(0, 0.5)
-            if "input_projection" in name:  # llama.cpp's converter stores it as float16: no rounding then
-                parameter.copy_(parameter.half().float())
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3) -> Path:
     folder = tmp_path_factory.mktemp("gemma3")
-    model.save_pretrained(folder)
+    tiny_gemma3(folder)
     return folder
 
 
@@ -84,7 +47,7 @@ def _program(
     return config, Program(graph, {p.name: module.get_parameter(p.name).detach() for p in graph.params})
 
 
-def _saved_as_transformers_4(tiny_gemma3: Path, folder: Path) -> Path:
+def _saved_as_transformers_4(gemma3_dir: Path, folder: Path) -> Path:
     """The tiny model as llama.cpp's converter reads it: transformers 4's tensor names, an image
     processor config with the image's token count."""
     import shutil
@@ -93,7 +56,7 @@ def _saved_as_transformers_4(tiny_gemma3: Path, folder: Path) -> Path:
     from transformers import Gemma3ImageProcessorPil
 
     hf = folder / "hf"
-    shutil.copytree(tiny_gemma3, hf)
+    shutil.copytree(gemma3_dir, hf)
     weights = load_file(hf / "model.safetensors")
     older = {name.replace("vision_tower.", "vision_tower.vision_model.", 1): t for name, t in weights.items()}
     save_file(older, hf / "model.safetensors", metadata={"format": "pt"})
@@ -104,22 +67,22 @@ def _saved_as_transformers_4(tiny_gemma3: Path, folder: Path) -> Path:
 
 @pytest.mark.parametrize("source", ["checkpoint", "llama.cpp mmproj"])
 def test_the_captured_encoder_matches_transformers(
-    tiny_gemma3: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
+    gemma3_dir: Path, tmp_path: Path, source: str, request: pytest.FixtureRequest
 ) -> None:
     from transformers import Gemma3ForConditionalGeneration
 
     if source == "checkpoint":
-        config, program = _captured(tiny_gemma3)
+        config, program = _captured(gemma3_dir)
     else:
         from kiln.frontend.mmproj import read_mmproj
 
         convert = request.getfixturevalue("llama_cpp_mmproj")
         encoder = read_mmproj(
-            convert(_saved_as_transformers_4(tiny_gemma3, tmp_path), tmp_path / "mmproj.gguf")
+            convert(_saved_as_transformers_4(gemma3_dir, tmp_path), tmp_path / "mmproj.gguf")
         )
         assert encoder.kind == "gemma3"
         config, program = _program(Gemma3VisionConfig.from_gemma3(encoder.config), encoder.tensors)
-    reference = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3).eval()
+    reference = Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir).eval()
     pixel_values = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference.model.get_image_features(pixel_values=pixel_values).pooler_output
@@ -131,9 +94,9 @@ def test_the_captured_encoder_matches_transformers(
 
 @pytest.mark.parametrize("backend", ["tvm", "onnxruntime"])
 def test_the_compiled_encoder_matches_the_interpreter(
-    tiny_gemma3: Path, tmp_path: Path, backend: str, compile_image_encoder
+    gemma3_dir: Path, tmp_path: Path, backend: str, compile_image_encoder
 ) -> None:
-    config, program = _captured(tiny_gemma3)
+    config, program = _captured(gemma3_dir)
     encoder = compile_image_encoder(program, backend, tmp_path)
     pixels = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(2)).numpy()
     inputs = encoder_inputs(pixels, config.patch_size)

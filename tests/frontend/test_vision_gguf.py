@@ -1,15 +1,15 @@
-"""A SmolVLM-shaped model (random weights, scripts/make_smolvlm.py) converted by llama.cpp's own converter
-into a text GGUF and an `--mmproj` image-encoder GGUF, as llama-server users have them: Kiln serves the
-pair and its greedy tokens for three images equal llama-server's (recorded by bench/vision_peers.py
---record in tests/fixtures/smolvlm_tiny_llama_cpp.json, with the sha256 of the files it ran on) on the
-default path (TVM for this CPU; every backend's image path: test_vision.py)."""
+"""A SmolVLM-shaped model and a Gemma 3 (random weights, scripts/make_vlm.py) converted by llama.cpp's own
+converter into a text GGUF and an `--mmproj` image-encoder GGUF, as llama-server users have them: Kiln
+serves the pair and its greedy tokens for three images equal llama-server's (recorded by
+bench/vision_peers.py --record in tests/fixtures/<family>_tiny_llama_cpp.json, with the sha256 of the
+files it ran on) on the default path (TVM for this CPU; every backend's image path: test_vision.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,16 @@ from kiln.runtime.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smolvlm_tiny_llama_cpp.json"
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_smolvlm.py"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_vlm.py"
 
 
-def make_smolvlm() -> Any:
-    spec = importlib.util.spec_from_file_location("make_smolvlm", SCRIPT)
+def fixture_of(family: str) -> Path:
+    return FIXTURES / f"{family}_tiny_llama_cpp.json"
+
+
+def make_vlm() -> Any:
+    spec = importlib.util.spec_from_file_location("make_vlm", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,34 +39,48 @@ def make_smolvlm() -> Any:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory, llama_cpp_source: Path) -> tuple[Path, Path, Path]:
-    """(HF directory, text GGUF, mmproj GGUF), the GGUFs the ones llama-server ran on."""
-    maker = make_smolvlm()
-    folder = tmp_path_factory.mktemp("smolvlm")
-    maker.save_smolvlm(folder / "hf", "tiny")
-    text, mmproj = maker.convert(llama_cpp_source, folder / "hf", folder)
-    recorded = json.loads(FIXTURE.read_text())
-    for file, key in ((text, "text_gguf_sha256"), (mmproj, "mmproj_gguf_sha256")):
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        assert digest == recorded[key], (
-            f"{file.name} is not the file llama-server's tokens were recorded on: record them again with "
-            f"`bench/vision_peers.py --shape tiny --runs 3 --record {FIXTURE}`"
-        )
-    return folder / "hf", text, mmproj
+def converted(
+    tmp_path_factory: pytest.TempPathFactory, llama_cpp_source: Path
+) -> Callable[[str], tuple[Path, Path, Path]]:
+    """A function: a family's (HF directory, text GGUF, mmproj GGUF), the GGUFs llama-server ran on, made
+    once."""
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def convert(family: str) -> tuple[Path, Path, Path]:
+        if family in made:
+            return made[family]
+        maker = make_vlm()
+        folder = tmp_path_factory.mktemp(family)
+        maker.FAMILIES[family](folder / "hf", "tiny")
+        text, mmproj = maker.convert(llama_cpp_source, folder / "hf", folder)
+        recorded = json.loads(fixture_of(family).read_text())
+        for file, key in ((text, "text_gguf_sha256"), (mmproj, "mmproj_gguf_sha256")):
+            digest = hashlib.sha256(file.read_bytes()).hexdigest()
+            assert digest == recorded[key], (
+                f"{file.name} is not the file llama-server's tokens were recorded on: record them again "
+                f"with `bench/vision_peers.py --family {family} --shape tiny --runs 3 --record "
+                f"{fixture_of(family)}`"
+            )
+        made[family] = (folder / "hf", text, mmproj)
+        return made[family]
+
+    return convert
 
 
-@pytest.fixture(scope="module", params=["tvm"])
-def llm(request: pytest.FixtureRequest, converted: tuple[Path, Path, Path]) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=["smolvlm", "gemma3"])
+def served(request: pytest.FixtureRequest, converted: Callable[[str], Any]) -> Iterator[tuple[str, Any]]:
+    """(family, its GGUF pair served on the default path)."""
     from kiln.llm import LLM
 
-    _, text, mmproj = converted
-    model = LLM(str(text), mmproj=str(mmproj), backend=request.param, show_progress=False)
-    yield model
+    _, text, mmproj = converted(request.param)
+    model = LLM(str(text), mmproj=str(mmproj), backend="tvm", show_progress=False)
+    yield request.param, model
     model.close()
 
 
-def test_greedy_tokens_equal_llama_servers(llm: Any) -> None:
-    recorded = json.loads(FIXTURE.read_text())
+def test_greedy_tokens_equal_llama_servers(served: tuple[str, Any]) -> None:
+    family, llm = served
+    recorded = json.loads(fixture_of(family).read_text())
     params = SamplingParams(max_tokens=len(recorded["tokens"][0]), temperature=0, ignore_eos=True)
     for shown, expected in zip(recorded["images"], recorded["tokens"], strict=True):
         width, height = shown["size"]
@@ -72,23 +90,25 @@ def test_greedy_tokens_equal_llama_servers(llm: Any) -> None:
         assert llm.chat(messages, params).outputs[0].token_ids == expected
 
 
-def test_mmproj_goes_with_a_gguf_model(converted: tuple[Path, Path, Path]) -> None:
+def test_mmproj_goes_with_a_gguf_model(converted: Callable[[str], tuple[Path, Path, Path]]) -> None:
     from kiln.frontend.load import load_model
 
-    hf, _, mmproj = converted
+    hf, _, mmproj = converted("smolvlm")
     with pytest.raises(ModelLoadError, match="--mmproj goes with a GGUF model file"):
         load_model(str(hf), mmproj)
 
 
-def test_kiln_generate_with_an_image(converted: tuple[Path, Path, Path], tmp_path: Path) -> None:
+def test_kiln_generate_with_an_image(
+    converted: Callable[[str], tuple[Path, Path, Path]], tmp_path: Path
+) -> None:
     """`kiln generate TEXT --mmproj MMPROJ --chat --image FILE` prints the greedy reply `LLM.chat` gives."""
     import subprocess
     import sys
 
     from kiln.llm import LLM
 
-    _, text, mmproj = converted
-    recorded = json.loads(FIXTURE.read_text())
+    _, text, mmproj = converted("smolvlm")
+    recorded = json.loads(fixture_of("smolvlm").read_text())
     width, height = recorded["images"][0]["size"]
     pixels = np.random.default_rng(recorded["images"][0]["seed"]).integers(
         0, 255, (height, width, 3), dtype=np.uint8

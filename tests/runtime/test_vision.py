@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import PromptImages, image_spans
 from kiln.runtime.vision import ImageEmbedding, cache_key_ids, place_images, template_content
 
 pytest.importorskip("transformers")
@@ -33,6 +34,25 @@ def test_one_placeholder_an_image_expands_to_its_ids() -> None:
     assert already == ids and at.tolist() == positions.tolist()
     with pytest.raises(ValueError, match=r"2 image placeholder tokens .* for 3 images"):
         place_images([1, 9, 9], [(9,) * 4] * 3, image_token_id=9)
+
+
+def test_a_placeholder_other_than_the_image_token_expands_around_it() -> None:
+    gemma_like = (5, 9, 9, 6)  # start, the image's two rows, end
+    ids, positions = place_images([1, 5, 2], [gemma_like], image_token_id=9, placeholder_id=5)
+    assert ids == [1, 5, 9, 9, 6, 2] and positions.tolist() == [2, 3]
+    assert place_images(ids, [gemma_like], 9, 5)[0] == ids  # expanded already
+    with pytest.raises(ValueError, match=r"0 image placeholder tokens \(id 5\) for 1 images"):
+        place_images([1, 9, 2], [gemma_like], 9, 5)
+
+
+def test_a_chunk_holds_whole_the_images_that_attend_both_ways() -> None:
+    positions = np.array([2, 3, 4, 8, 9], np.int64)
+    spans = image_spans(positions)
+    assert spans == ((2, 5), (8, 10))
+    images = PromptImages(np.zeros((5, 2), np.float32), positions, [], spans)
+    assert images.chunk_end(0, 3) == 2  # ends before the image it would cut
+    assert images.chunk_end(3, 4) == 5  # starts inside it (cached up to there): to its end
+    assert images.chunk_end(0, 5) == 5 and images.chunk_end(5, 9) == 8
 
 
 def test_the_cache_keys_an_images_tokens_by_its_content() -> None:
@@ -131,3 +151,30 @@ def test_images_where_they_cannot_go_are_refused(llm: Any, tmp_path: Path) -> No
     ]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: file:// image URLs are refused"):
         llm.chat(messages)
+
+
+def test_gemma3_images_are_never_cut_and_give_the_same_tokens(tmp_path: Path, tiny_gemma3) -> None:
+    """Gemma 3's image tokens attend both ways: with 6 tokens a step (less than an image's 16), every
+    chunk holds whole the image it touches, and the tokens are those of one step."""
+    from kiln.llm import LLM
+
+    tiny_gemma3(tmp_path)
+    prompt = {"prompt": "t5 <start_of_image> t6 t7", "multi_modal_data": {"image": image(4)}}
+    image_span = (2, 18)  # t5, the start token, then the image's 16 tokens
+    whole = LLM(str(tmp_path), backend="reference", show_progress=False, num_blocks=64)
+    expected = whole.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    whole.close()
+    tight = LLM(str(tmp_path), backend="reference", show_progress=False, max_num_batched_tokens=6)
+    schedule = tight.engine.scheduler.schedule
+    chunks: list[tuple[int, int]] = []
+
+    def recorded() -> Any:
+        output = schedule()
+        chunks.extend((chunk.start, chunk.start + chunk.num_new_tokens) for chunk in output.chunks)
+        return output
+
+    tight.engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    assert tight.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
+    tight.close()
+    assert (2, 18) in chunks  # the image in one step, past the budget
+    assert not any(image_span[0] < end < image_span[1] for _, end in chunks)

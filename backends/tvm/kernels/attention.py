@@ -23,6 +23,12 @@ Keys also go in segments of SEGMENT at multiples of SEGMENT: a score row's softm
 in each and the segments' states are merged in order. A short step with long sequences (decode)
 splits each tile's segments over several tasks, which store their states; a second parallel loop
 merges them with the same macro in the same order, so the split changes no bits.
+
+With `visible_ends` (the op's 10th input: Gemma 3's images attend within themselves both ways) the
+kernel takes one more buffer, `ends` [n]: row r sees keys up to ends[r] - 1 instead of its own
+position. A tile then walks the keys up to the largest end of its rows (never past its sequence),
+and each score row masks the keys past its own end, so a row's result still depends only on its
+own position and end.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ class AttentionPlan:
     sliding_window: int | None
     dtype: str
     cache_dtype: str  # float8_e4m3fn stores K / k_scale and V / v_scale (kv_format.py)
+    visible_ends: bool = False  # the kernel takes `ends` [n]: each row's keys end there, not at itself
 
     @property
     def group(self) -> int:  # query heads a KV head
@@ -146,6 +153,27 @@ class AttentionPlan:
     @property
     def per_line(self) -> int:  # cache elements a cache line
         return CACHE_LINE // (1 if self.cache_dtype == FP8 else 2 if "16" in self.cache_dtype else 4)
+
+    @property
+    def found_size(self) -> int:
+        """_locate's (tiles before, sequence, first row, end row), and _furthest_end's end."""
+        return 5 if self.visible_ends else 4
+
+
+def _last_key(first_position: Expr, count: Expr, tile_end: Expr | None) -> Expr:
+    """The last key a tile's rows see: its last row's position, or the key before their furthest end."""
+    return first_position + count - 1 if tile_end is None else tile_end - 1
+
+
+def _row_last_key(plan: AttentionPlan, ends: Buffer, row: Expr, position: Expr, last_key: Expr) -> Expr:
+    """The last key query row `row` (at `position`) sees: itself, or the key before its end (within
+    the tile's keys, which never pass the sequence's)."""
+    return T.min(ends[row] - 1, last_key) if plan.visible_ends else position
+
+
+def _tile_end(plan: AttentionPlan, found: Buffer) -> Expr | None:
+    """With visible_ends, the furthest end of the tile's rows (_furthest_end)."""
+    return found[4] if plan.visible_ends else None
 
 
 def _span(plan: AttentionPlan, n: Expr) -> Expr:
@@ -184,7 +212,8 @@ def _states_capacity(plan: AttentionPlan, n: Expr, max_blocks: Expr, block_size:
 def _tile_and_segment_counts(
     plan: AttentionPlan, sizes: Buffer, starts: Buffer, lens: Buffer, num_seqs: Expr, span: Expr
 ):
-    # sizes = (the sequences' tiles, the most segments a sequence has)
+    # sizes = (the sequences' tiles, the most segments a sequence has: a tile's keys never pass its
+    # sequence's, whatever its rows' ends)
     sizes[0] = T.int64(0)
     sizes[1] = T.int64(0)
     for seq in T.serial(num_seqs):
@@ -206,6 +235,15 @@ def _locate(tile: Expr, span: Expr, starts: Buffer, num_seqs: Expr, found: Buffe
             found[2] = begin + (tile - found[0]) * span
             found[3] = T.min(found[2] + span, end)
         found[0] = found[0] + own
+
+
+@T.macro
+def _furthest_end(ends: Buffer, lens: Buffer, found: Buffer):
+    # found[4] = the largest end of the tile's rows found[2] .. found[3] - 1, within its sequence's keys
+    found[4] = T.int64(0)
+    for row in T.serial(found[2], found[3]):
+        found[4] = T.max(found[4], ends[row])
+    found[4] = T.min(found[4], lens[found[1]])
 
 
 # Load: the run's queries, a block of keys and values (the keys transposed) from the paged cache.
@@ -264,7 +302,7 @@ def _load_key_block(
     kvh: Expr,
     block_size: Expr,
     first: Expr,
-    last_position: Expr,
+    last_key: Expr,
     scales: tuple,
     key_rows: Buffer,
     value: Buffer,
@@ -273,11 +311,11 @@ def _load_key_block(
     k_scale, v_scale = scales
     for i in T.serial(KEYS):
         # past the last key: the last key again, which no row of the run sees
-        key: T.let[T.int64] = T.min(first + i, last_position)
+        key: T.let[T.int64] = T.min(first + i, last_key)
         page: T.let[T.int64] = tables[seq, key // block_size]
         offset: T.let[T.int64] = key % block_size
         # the next block's rows, which a long context's cache holds in memory, not in cache
-        ahead: T.let[T.int64] = T.min(first + KEYS + i, last_position)
+        ahead: T.let[T.int64] = T.min(first + KEYS + i, last_key)
         for line in T.serial(-(-plan.head_dim // plan.per_line)):
             for kv in T.serial(2):
                 T.evaluate(
@@ -387,11 +425,22 @@ def _softmax_row(
     scores: Buffer,
     tree: Buffer,
     running: Buffer,
+    ends: Buffer,
+    lo: Expr,
+    last_key: Expr,
 ):
     # score row s's online softmax over the block from key `first`: its probabilities in scores[s, :],
     # running[s, :] = (max, denominator, the rescale of what came before)
-    # the block's keys this row sees are i in [seen_from, seen_to]
-    seen_to: T.let[T.int32] = T.Cast("int32", T.min(first_position + s // plan.group - first, T.int64(KEYS)))
+    # the block's keys this row sees are i in [seen_from, seen_to]; the run's rows from lo, their
+    # ends (read with visible_ends only), the last key of the run
+    seen_to: T.let[T.int32] = T.Cast(
+        "int32",
+        T.min(
+            _row_last_key(plan, ends, lo + s // plan.group, first_position + s // plan.group, last_key)
+            - first,
+            T.int64(KEYS),
+        ),
+    )
     seen_from: T.let[T.int32] = T.Cast(
         "int32",
         T.max(
@@ -521,20 +570,23 @@ def _attend_run(
     blocks: tuple,
     rows_state: tuple,
     split: tuple,
+    ends: Buffer,
+    tile_end: Expr | None,
 ):
-    # rows [lo, hi) of sequence `seq` with kv head `kvh`: this task's share of their segments
+    # rows [lo, hi) of sequence `seq` with kv head `kvh`: this task's share of their segments;
+    # with visible_ends, the rows' `ends` and their furthest, `tile_end` (_furthest_end)
     q, cache, tables, lens, starts, out, states = inputs
     key_rows, key_t, value, block, tree, added = blocks  # one key block's
     query, acc, scores, running, total, merged = rows_state  # the run's score rows'
     share, parts, state_base, state_rows = split  # this task's part of `parts`; where it stores
     count: T.let[T.int64] = hi - lo
     first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
-    last_position: T.let[T.int64] = first_position + count - 1
+    last_key: T.let[T.int64] = _last_key(first_position, count, tile_end)
     lowest: T.let[T.int64] = T.max(T.int64(0), first_position - T.int64(plan.window) + T.int64(1))
     segment_first: T.let[T.int64] = lowest // SEGMENT
-    per_part: T.let[T.int64] = (last_position // SEGMENT - segment_first + parts) // parts
+    per_part: T.let[T.int64] = (last_key // SEGMENT - segment_first + parts) // parts
     mine_first: T.let[T.int64] = segment_first + share * per_part
-    mine_end: T.let[T.int64] = T.min(mine_first + per_part, last_position // SEGMENT + 1)
+    mine_end: T.let[T.int64] = T.min(mine_first + per_part, last_key // SEGMENT + 1)
     _load_queries(plan, q, lo, count, kvh, query)
     _start_merge(plan, total, merged, count)
     for segment in T.serial(mine_first, T.max(mine_first, mine_end)):
@@ -542,7 +594,7 @@ def _attend_run(
         # blocks start at multiples of KEYS and segments at multiples of SEGMENT, whatever the
         # tile: the same sums for a row
         block_from: T.let[T.int64] = T.max(segment * SEGMENT, lowest // KEYS * KEYS)
-        block_last: T.let[T.int64] = T.min(segment * SEGMENT + SEGMENT - 1, last_position)
+        block_last: T.let[T.int64] = T.min(segment * SEGMENT + SEGMENT - 1, last_key)
         for c in T.serial(block_last // KEYS - block_from // KEYS + 1):
             first: T.let[T.int64] = block_from + c * KEYS
             _load_key_block(
@@ -554,7 +606,7 @@ def _attend_run(
                 kvh,
                 block_size,
                 first,
-                last_position,
+                last_key,
                 scales,
                 key_rows,
                 value,
@@ -562,7 +614,7 @@ def _attend_run(
             _transpose_keys(plan, key_rows, key_t)
             _block_scores(plan, count, query, key_t, block, scores)
             for s in T.serial(count * plan.group):
-                _softmax_row(plan, s, first_position, first, scores, tree, running)
+                _softmax_row(plan, s, first_position, first, scores, tree, running, ends, lo, last_key)
                 _add_values(plan, s, scores, value, acc, running, added)
         if parts == 1:
             for s in T.serial(count * plan.group):
@@ -584,16 +636,17 @@ def _merge_run(
     rows_state: tuple,
     state_base: Expr,
     state_rows: Expr,
+    tile_end: Expr | None,
 ):
     # the split form's second phase: the segments' states in order, as _attend_run merges them
     lens, starts, out, states = inputs
     acc, running, total, merged = rows_state
     count: T.let[T.int64] = hi - lo
     first_position: T.let[T.int64] = lens[seq] - (starts[seq + 1] - starts[seq]) + (lo - starts[seq])
-    last_position: T.let[T.int64] = first_position + count - 1
+    last_key: T.let[T.int64] = _last_key(first_position, count, tile_end)
     lowest: T.let[T.int64] = T.max(T.int64(0), first_position - T.int64(plan.window) + T.int64(1))
     _start_merge(plan, total, merged, count)
-    for segment in T.serial(last_position // SEGMENT - lowest // SEGMENT + 1):
+    for segment in T.serial(last_key // SEGMENT - lowest // SEGMENT + 1):
         for s in T.serial(count * plan.group):
             row: T.let[T.int64] = (state_base + segment) * state_rows + s
             running[s, 0] = states[row, 0]
@@ -605,6 +658,9 @@ def _merge_run(
 
 
 def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
+    """The function over (q, cache, tables, lens, starts, ends, layer, k_scale, v_scale, out), without
+    `ends` where the plan has no visible_ends."""
+
     @T.prim_func(s_tir=True)
     def attention(
         q_handle: T.handle,
@@ -612,6 +668,7 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
         tables_handle: T.handle,
         lens_handle: T.handle,
         starts_handle: T.handle,
+        ends_handle: T.handle,
         layer: T.int64,
         k_scale: T.float32,
         v_scale: T.float32,
@@ -634,6 +691,7 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
         tables = T.match_buffer(tables_handle, (num_seqs, max_blocks), "int64")
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
         starts = T.match_buffer(starts_handle, (num_starts,), "int64")
+        ends = T.match_buffer(ends_handle, (n,), "int64")  # read only with plan.visible_ends
         out = T.match_buffer(out_handle, (n, plan.heads, plan.head_dim), plan.dtype)
         span: T.let[T.int64] = _span(plan, n)
         _zero_padding_rows(plan, out, starts[num_seqs], n)
@@ -664,13 +722,15 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
                 # a segment's max, denominator, the rescale of what came before; the merged ones
                 running = T.sblock_alloc_buffer((plan.padded, 3), "float32")
                 total = T.sblock_alloc_buffer((plan.padded, 3), "float32")
-                found = T.sblock_alloc_buffer((4,), "int64")
+                found = T.sblock_alloc_buffer((plan.found_size,), "int64")
                 share: T.let[T.int64] = task % parts
                 slot: T.let[T.int64] = task // parts // plan.kv_heads
                 kvh: T.let[T.int64] = task // parts % plan.kv_heads
                 # early and late tiles alternate, so that contiguous ranges of tasks carry similar work
                 tile: T.let[T.int64] = T.if_then_else(slot % 2 == 0, slot // 2, tiles - 1 - slot // 2)
                 _locate(tile, span, starts, num_seqs, found)
+                if plan.visible_ends:
+                    _furthest_end(ends, lens, found)
                 inputs = (q, cache, tables, lens, starts, out, states)
                 blocks = (key_rows, key_t, value, block, tree, added)
                 rows_state = (query, acc, scores, running, total, merged)
@@ -688,6 +748,8 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
                     blocks,
                     rows_state,
                     split,
+                    ends,
+                    _tile_end(plan, found),
                 )
         if parts > 1:
             for task in T.parallel(tiles * plan.kv_heads):
@@ -698,10 +760,12 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
                     merged = T.sblock_alloc_buffer((plan.padded, plan.head_dim), "float32")
                     running = T.sblock_alloc_buffer((plan.padded, 3), "float32")
                     total = T.sblock_alloc_buffer((plan.padded, 3), "float32")
-                    found = T.sblock_alloc_buffer((4,), "int64")
+                    found = T.sblock_alloc_buffer((plan.found_size,), "int64")
                     tile: T.let[T.int64] = task // plan.kv_heads
                     kvh: T.let[T.int64] = task % plan.kv_heads
                     _locate(tile, span, starts, num_seqs, found)
+                    if plan.visible_ends:
+                        _furthest_end(ends, lens, found)
                     _merge_run(
                         plan,
                         found[1],
@@ -712,9 +776,17 @@ def _attention_kernel(plan: AttentionPlan) -> tirx.PrimFunc:
                         (acc, running, total, merged),
                         (tile * plan.kv_heads + kvh) * segments,
                         state_rows,
+                        _tile_end(plan, found),
                     )
 
-    return attention
+    return attention if plan.visible_ends else without_param(attention, "ends")
+
+
+def without_param(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
+    """`func` without its parameter `name`, which its body never reads."""
+    kept = [param for param in func.params if param.name != name]
+    assert len(kept) == len(func.params) - 1
+    return tirx.PrimFunc(kept, func.body, func.ret_type, func.attrs)
 
 
 def attention_kernel(
@@ -725,7 +797,11 @@ def attention_kernel(
     sliding_window: int | None,
     dtype: str,
     cache_dtype: str | None = None,
+    visible_ends: bool = False,
 ) -> tirx.PrimFunc:
-    """`cache_dtype` as in kv_write_kernel."""
-    plan = AttentionPlan(heads, kv_heads, head_dim, scale, sliding_window, dtype, cache_dtype or dtype)
+    """`cache_dtype` as in kv_write_kernel. `visible_ends`: the kernel takes `ends` [n] after `starts`;
+    row r sees keys up to ends[r] - 1 (from the window's start) instead of up to its own position."""
+    plan = AttentionPlan(
+        heads, kv_heads, head_dim, scale, sliding_window, dtype, cache_dtype or dtype, visible_ends
+    )
     return _attention_kernel(plan)

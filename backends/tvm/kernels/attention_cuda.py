@@ -8,15 +8,22 @@ its own position, within the sliding window) are dealt round-robin to the block'
 thread keeps an online softmax (running max, denominator, float32 accumulator over head_dim) for its
 keys; the block then merges the per-thread states through shared memory. Grouped-query heads read
 their kv head `h // (heads // kv_heads)`. Rows outside every sequence get zeros. A row's result
-depends only on its own keys, never on the rest of the batch.
+depends only on its own keys, never on the rest of the batch. With `visible_ends` the kernel takes
+`ends` [n] after `starts`, and row r's keys go up to ends[r] - 1 instead of its own position.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.tirx import Buffer
 
+from kiln.backends.tvm.kernels.attention import without_param
 from kiln.backends.tvm.kernels.kv_format import loaded, stored
+
+Expr = Any  # a TIR expression
 
 WRITE_THREADS = 256
 NEG_INF = -3.0e38
@@ -83,6 +90,12 @@ def kv_write_kernel(
     return kv_write
 
 
+def _last_key(visible_ends: bool, ends: Buffer, row: Expr, position: Expr, context: Expr) -> Expr:
+    """The last key query row `row` (at `position`) sees: itself, or the key before its end, within
+    its sequence's `context` keys."""
+    return T.min(ends[row], context) - 1 if visible_ends else position
+
+
 def attention_kernel(
     heads: int,
     kv_heads: int,
@@ -91,8 +104,10 @@ def attention_kernel(
     sliding_window: int | None,
     dtype: str,
     cache_dtype: str | None = None,
+    visible_ends: bool = False,
 ) -> tirx.PrimFunc:
-    """`cache_dtype` as in kv_write_kernel."""
+    """`cache_dtype` as in kv_write_kernel. `visible_ends`: the kernel takes `ends` [n] after `starts`
+    (attention.py's kernel's arguments)."""
     cache_dtype = cache_dtype or dtype
     group = heads // kv_heads
     window = sliding_window or (1 << 62)  # no window: every earlier position is visible
@@ -106,6 +121,7 @@ def attention_kernel(
         tables_handle: T.handle,
         lens_handle: T.handle,
         starts_handle: T.handle,
+        ends_handle: T.handle,
         layer: T.int64,
         k_scale: T.float32,
         v_scale: T.float32,
@@ -126,6 +142,7 @@ def attention_kernel(
         tables = T.match_buffer(tables_handle, (num_seqs, max_blocks), "int64")
         lens = T.match_buffer(lens_handle, (num_seqs,), "int64")
         starts = T.match_buffer(starts_handle, (num_starts,), "int64")
+        ends = T.match_buffer(ends_handle, (n,), "int64")  # read only with visible_ends
         out = T.match_buffer(out_handle, (n, heads, head_dim), dtype)
         for task in T.thread_binding(n * heads, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
@@ -162,10 +179,14 @@ def attention_kernel(
                             lens[seq] - (starts[seq + 1] - starts[seq]) + (row - starts[seq])
                         )
                         lowest: T.let[T.int64] = T.max(T.int64(0), position - T.int64(window) + T.int64(1))
-                        rounds: T.let[T.int64] = (position + T.int64(threads) - lowest) // T.int64(threads)
+                        rounds: T.let[T.int64] = (
+                            _last_key(visible_ends, ends, row, position, lens[seq])
+                            + T.int64(threads)
+                            - lowest
+                        ) // T.int64(threads)
                         for r in T.serial(rounds):
                             t: T.let[T.int64] = lowest + r * T.int64(threads) + T.Cast("int64", tx)
-                            if t <= position:
+                            if t <= _last_key(visible_ends, ends, row, position, lens[seq]):
                                 page: T.let[T.int64] = tables[seq, t // block_size]
                                 offset: T.let[T.int64] = t % block_size
                                 state[2] = T.float32(0)
@@ -210,4 +231,4 @@ def attention_kernel(
                             else:
                                 out[row, h, i * threads + tx] = T.Cast(dtype, T.float32(0))
 
-    return attention
+    return attention if visible_ends else without_param(attention, "ends")

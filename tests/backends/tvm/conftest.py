@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from kiln.backends.base import CompileSettings, Executable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.build import PipelineOptions, optimize
-from kiln.ir import Program
+from kiln.ir import VISIBLE_ENDS_INPUT, Program
+from kiln.ir.graph import Value, ValueKind
+from kiln.ir.step import VISIBLE_ENDS_TYPE
 
 
 def compile_tvm_cpu(
@@ -31,6 +34,17 @@ def tiny_llama_program(tiny_llama) -> Program:
     """The tiny Llama (tests/conftest.py) at O2."""
     config, weights = tiny_llama
     return optimize(config, weights, PipelineOptions(opt_level=2)).program
+
+
+@pytest.fixture(scope="session")
+def visible_ends_program(tiny_llama_program: Program) -> Program:
+    """The tiny Llama at O2 with a visible_ends input (ir/step.py VISIBLE_ENDS_INPUT), read by every
+    paged_attention node: a step whose images attend within themselves both ways."""
+    graph = tiny_llama_program.graph
+    ends = Value(VISIBLE_ENDS_INPUT, VISIBLE_ENDS_TYPE, ValueKind.INPUT)
+    nodes = [replace(n, inputs=(*n.inputs, ends)) if n.op == "paged_attention" else n for n in graph.nodes]
+    assert all(len(n.inputs) == 10 for n in nodes if n.op == "paged_attention")  # after `positions`
+    return Program(replace(graph, inputs=[*graph.inputs, ends], nodes=nodes), tiny_llama_program.weights)
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,12 @@ TIR (gpu_on_cpu.py: thread loops serial, split at the kernel's barriers) against
 without rows and padding rows, its pages scattered through the cache (block tables read page by
 page). Grouped-query heads (4 and 2 query heads a kv head, and one kv head for all), a sliding
 window, float16 activations, float16 / bfloat16 / float8 e4m3 caches, float8 with calibrated
-per-layer scales; kv_write with padding slots."""
+per-layer scales; kv_write with padding slots. With visible_ends, images whose rows see their later
+tokens, and the CUDA source of that kernel (cross-compiled, no GPU)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -30,15 +33,14 @@ F16_TOLERANCE = 2e-3  # float16 outputs: both round the float32 result to float1
 KV_SCALES = (0.5, 2.0)  # float8: calibrated per-layer K and V scales, neither of them 1
 
 
-def gpu_attention(heads, kv_heads, head_dim, window, dtype, cache_dtype):
+def gpu_attention(heads, kv_heads, head_dim, window, dtype, cache_dtype, visible_ends=False):
     """The kernel `step` gets (ops_attention.py's call, then cuda_build.schedule_gpu), built for the CPU."""
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    attention = attention_cuda.attention_kernel(
+        heads, kv_heads, head_dim, SCALE, window, dtype, cache_dtype, visible_ends=visible_ends
+    )
     with target:
-        kernel, origin = schedule_gpu(
-            "attention",
-            attention_cuda.attention_kernel(heads, kv_heads, head_dim, SCALE, window, dtype, cache_dtype),
-            {},
-        )
+        kernel, origin = schedule_gpu("attention", attention, {})
     assert origin == "hand-written TIR"
     assert count_thread_loops(kernel) == {"blockIdx.x": 1, "threadIdx.x": 1}
     return build(kernel)
@@ -165,3 +167,59 @@ def test_gpu_kv_write_stores_each_row_in_its_slot(shape, dtype, cache_dtype):
     got = torch.from_dlpack(cache_array)
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert not got[0].view(torch.uint8).any(), "layer 0 untouched"
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("shape", [(8, 2, 64), (4, 1, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_attention_with_visible_ends_matches_reference(shape, window):
+    """A whole prompt with an image, a later chunk whose image ends the sequence, a decode row, a
+    sequence without rows, a prompt of text; 3 padding rows. An image's rows see up to its end."""
+    heads, kv_heads, head_dim = shape
+    kernel = gpu_attention(heads, kv_heads, head_dim, window, "float32", "float32", visible_ends=True)
+    contexts, row_counts, padding = [40, 300, 17, 64, 5], [40, 30, 1, 0, 5], 3
+    images = [(0, 3, 20), (1, 12, 18)]  # (sequence, its first query row, rows)
+    num_blocks = 128
+    cache = _cache(kv_heads, head_dim, num_blocks, "float32", (1.0, 1.0))
+    tables = _tables(contexts, num_blocks)
+    starts = torch.tensor(np.concatenate([[0], np.cumsum(row_counts)]), dtype=torch.int64)
+    rows = int(starts[-1]) + padding
+    positions = [c - r + i for c, r in zip(contexts, row_counts, strict=True) for i in range(r)]
+    ends = torch.tensor(positions + [0] * padding) + 1
+    for seq, first, size in images:
+        image = slice(int(starts[seq]) + first, int(starts[seq]) + first + size)
+        ends[image] = ends[image][-1].item()
+    q = torch.randn((rows, heads, head_dim), generator=torch.Generator().manual_seed(3))
+    out = array(torch.full(q.shape, float("nan")))
+    lens = torch.tensor(contexts)
+    kernel(array(q), array(cache), array(tables), array(lens), array(starts), array(ends), 1, 1.0, 1.0, out)
+    got = torch.from_dlpack(out)
+    unused = torch.zeros((rows, kv_heads, head_dim))
+    expected = paged_attention(
+        q, unused, unused, cache.clone(), torch.full((rows,), -1), tables, lens, starts, None, ends,
+        layer=1, scale=SCALE, sliding_window=window,
+    )  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=TOLERANCE, atol=TOLERANCE)
+    assert not got[-padding:].any(), "padding rows must be zeros"
+    causal = paged_attention(
+        q, unused, unused, cache.clone(), torch.full((rows,), -1), tables, lens, starts,
+        layer=1, scale=SCALE, sliding_window=window,
+    )  # fmt: skip
+    assert not torch.allclose(got[3:23], causal[3:23]), "the image's rows see its later tokens"
+
+
+def test_gpu_attention_with_visible_ends_cross_compiles():
+    """CUDA codegen (no nvcc, no GPU) of the kernel with visible_ends: the causal kernel's pointers and
+    `ends`, an int64 one."""
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    kernels = {
+        name: attention_cuda.attention_kernel(8, 2, 128, 0.088, 64, "float16", visible_ends=visible_ends)
+        for name, visible_ends in (("with_ends", True), ("causal", False))
+    }
+    module = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in kernels.items()})
+    with target:
+        source = tvm.tirx.build(module, target=target).imports[0].inspect_source("cuda")
+    signatures = dict(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\)", source))
+    assert set(signatures) == {"with_ends_kernel", "causal_kernel"}
+    pointers = {name: re.findall(r"\* __restrict__ (\w+)_ptr", text) for name, text in signatures.items()}
+    assert sorted(pointers["with_ends_kernel"]) == sorted([*pointers["causal_kernel"], "ends"])
+    assert "int64_t* __restrict__ ends_ptr" in signatures["with_ends_kernel"]

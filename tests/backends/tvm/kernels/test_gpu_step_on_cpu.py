@@ -5,12 +5,15 @@ run for LLVM, loaded by the CPU runtime (TVMExecutable) and run on the ragged ba
 against the reference backend. Covers what the per-kernel tests do not build themselves: the fused
 Relax kernels (embedding lookups, SwiGLU as split + silu + multiply, GELU, residual adds, reshapes),
 the MoE route / grouped / combine kernels, the split-K GEMV of `decode` and the tiled GEMM of `step`
-with their real thread bindings and shared-memory tiles, quantized or not."""
+with their real thread bindings and shared-memory tiles, quantized or not; a step with visible_ends
+(images whose rows see their later tokens) and a decode step given none."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gpu_on_cpu import count_thread_loops, cpu_executable_of_gpu_step, gpu_kernels, gpu_step_module
@@ -61,3 +64,22 @@ def test_the_cuda_step_run_on_the_cpu_matches_the_reference(
     expected = torch.from_numpy(reference.step(decode, theirs[2]))
     error = float((got - expected).abs().max() / expected.abs().max())
     assert error < tolerance, (case, "decode", error)
+
+
+def test_the_cuda_step_with_visible_ends_run_on_the_cpu_matches_the_reference(visible_ends_program, tmp_path):
+    ours = cpu_executable_of_gpu_step(visible_ends_program, tmp_path)
+    reference = ReferenceExecutable(visible_ends_program.graph, visible_ends_program.weights)
+    prompts, tables = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [[1], [2]]
+    slices = [SequenceSlice(p, 0, t, logits_at=range(len(p))) for p, t in zip(prompts, tables, strict=True)]
+    prefill = build_step_inputs(slices, BLOCK_SIZE)
+    ends = prefill.positions + 1
+    ends[2:7] = 7  # the first prompt's rows 2 .. 6: an image
+    prefill = replace(prefill, visible_ends=ends)
+    mine, theirs = (e.kv_cache_spec.allocate(4, BLOCK_SIZE) for e in (ours, reference))
+    decode = build_step_inputs(
+        [SequenceSlice([20], len(prompts[0]), tables[0]), SequenceSlice([21], len(prompts[1]), tables[1])],
+        BLOCK_SIZE,
+    )
+    for inputs in (prefill, decode):  # the decode: no visible_ends, `decode`
+        got, expected = ours.step(inputs, mine), reference.step(inputs, theirs)
+        assert float(np.abs(got - expected).max() / np.abs(expected).max()) < TOLERANCE
