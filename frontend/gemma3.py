@@ -12,12 +12,12 @@ from kiln.frontend.vision import (
     gemma3_vision,
     image_token_text,
     language_model_config,
+    language_model_weights,
     read_preprocessor,
 )
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 _VISION_PREFIXES = (
     "model.vision_tower.",
     "vision_tower.",
@@ -34,18 +34,8 @@ def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:
-    """The language model's tensors under a causal LM's names (`model.layers.0...`, `lm_head`); the
-    encoder's are left out."""
-    text: dict[str, Weight] = {}
-    for name, tensor in weights.items():
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        renamed = name.removeprefix("language_model.") if name.startswith("language_model.lm_head.") else name
-        for prefix in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                renamed = "model." + name.removeprefix(prefix)
-        text[renamed] = tensor
-    return text
+    """The language model's tensors under a causal LM's names; the encoder's are left out."""
+    return language_model_weights(weights, _VISION_PREFIXES)
 
 
 def vision(

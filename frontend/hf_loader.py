@@ -17,6 +17,7 @@ from kiln.frontend import gemma3, idefics3, llava
 from kiln.frontend.config import ModelConfig, config_from_hf
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
+from kiln.frontend.vision import with_images
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,7 +42,7 @@ def load_hf_dir(path: Path) -> ModelSource:
     if family is not None:
         vision = family.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
         raw_weights = family.text_weights(raw_weights)
-        config = dataclasses.replace(config, image_rows=True, bidirectional_images=vision.spec.bidirectional)
+        config = with_images(config, vision)
     weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.

@@ -8,7 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.frontend.vision import VisionSource, image_token_text, language_model_config, llava_vision
+from kiln.frontend.vision import (
+    VisionSource,
+    image_token_text,
+    language_model_config,
+    language_model_weights,
+    llava_vision,
+)
 from kiln.ir.deferred import Weight
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -17,9 +23,6 @@ TEXT_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-# where transformers versions saved the language model: 4.x early, 4.5x, 5.x
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
-_HEADS = ("language_model.lm_head.", "lm_head.")
 _VISION_PREFIXES = (
     "vision_tower.",
     "model.vision_tower.",
@@ -34,20 +37,8 @@ def text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def text_weights(weights: dict[str, Weight]) -> dict[str, Weight]:
-    """The language model's tensors under the names a causal LM saves (`model.layers.0...`, `lm_head`);
-    the encoder's are left out."""
-    text: dict[str, Weight] = {}
-    for name, tensor in weights.items():
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        renamed = name
-        for old, new in _TEXT_PREFIXES:
-            if name.startswith(old):
-                renamed = new + name.removeprefix(old)
-        if name.startswith(_HEADS[0]):
-            renamed = _HEADS[1] + name.removeprefix(_HEADS[0])
-        text[renamed] = tensor
-    return text
+    """The language model's tensors under a causal LM's names; the encoder's are left out."""
+    return language_model_weights(weights, _VISION_PREFIXES)
 
 
 def vision(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.config import ModelConfig
 from kiln.frontend.source import ModelSource, VisionSource, float32
 from kiln.ir import Program
 from kiln.ir.vision import VisionSpec
@@ -85,6 +86,34 @@ def language_model_config(
         if key in config and key not in text:
             text[key] = config[key]
     return text
+
+
+# where transformers versions saved a LLaVA-style model's language model (4.x early, 4.5x, 5.x) and head
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
+_LANGUAGE_MODEL_HEAD = ("language_model.lm_head.", "lm_head.")
+
+
+def language_model_weights(weights: dict[str, Any], vision_prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """A LLaVA-style checkpoint's (LLaVA's, Gemma 3's) language model tensors under the names a causal
+    LM saves (`model.layers.0...`, `lm_head`); the encoder's (names under `vision_prefixes`) left out."""
+    text: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        if name.startswith(vision_prefixes):
+            continue
+        renamed = name
+        for old, new in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(old):
+                renamed = new + name.removeprefix(old)
+        old, new = _LANGUAGE_MODEL_HEAD
+        if name.startswith(old):
+            renamed = new + name.removeprefix(old)
+        text[renamed] = tensor
+    return text
+
+
+def with_images(config: ModelConfig, vision: VisionSource) -> ModelConfig:
+    """The language model's config for a step with `vision`'s image rows."""
+    return dataclasses.replace(config, image_rows=True, bidirectional_images=vision.spec.bidirectional)
 
 
 def read_preprocessor(path: Path) -> dict[str, Any]:
@@ -224,10 +253,7 @@ def with_mmproj(source: ModelSource, path: Path) -> ModelSource:
     else:
         image_token, token_id = _vocabulary_token(source, MMPROJ_IMAGE_TOKEN)
         vision = idefics3_vision(encoder.config, encoder.tensors, encoder.preprocessor, image_token, token_id)
-    config = dataclasses.replace(
-        source.config, image_rows=True, bidirectional_images=vision.spec.bidirectional
-    )
-    return dataclasses.replace(source, config=config, vision=vision)
+    return dataclasses.replace(source, config=with_images(source.config, vision), vision=vision)
 
 
 def _vocabulary_token(source: ModelSource, token: str) -> tuple[str, int]:

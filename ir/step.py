@@ -145,12 +145,16 @@ def causal_visible_ends(inputs: StepInputs) -> IndexArray:
     return inputs.positions + 1
 
 
+def image_spans(positions: Sequence[int] | IndexArray) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each run of consecutive image positions (in order): one image each."""
+    at = np.asarray(positions, np.int64)
+    breaks = np.flatnonzero(np.diff(at) != 1) + 1
+    return tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(at, breaks) if len(run))
+
+
 def _visible_ends(piece: SequenceSlice) -> list[int]:
-    """Each token's position + 1, except an image token's: the position after the last token of its run
-    of consecutive image tokens."""
+    """Each token's position + 1, except an image token's: the position after its image's last token."""
     ends = [piece.num_cached + offset + 1 for offset in range(len(piece.token_ids))]
-    image = set(piece.image_at)
-    for offset in sorted(image, reverse=True):
-        if offset + 1 in image:
-            ends[offset] = ends[offset + 1]
+    for start, end in image_spans(piece.image_at):
+        ends[start:end] = [piece.num_cached + end] * (end - start)
     return ends

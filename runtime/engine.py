@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kiln.backends.base import Executable, Logits, kv_cache_device
-from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, build_step_inputs, image_spans
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
@@ -20,7 +20,7 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
-from kiln.runtime.sequence import PromptImages, Request, Sequence, SequenceStatus, image_spans
+from kiln.runtime.sequence import PromptImages, Request, Sequence, SequenceStatus
 from kiln.runtime.speculative.decoder import SpeculativeDecoder, SpeculativeStats
 from kiln.runtime.speculative.proposer import make_proposer
 from kiln.runtime.structured_output import Constraint, Grammars

@@ -89,12 +89,6 @@ class PromptImages:
         return (self.positions[first:last] - start).tolist(), self.rows[first:last]
 
 
-def image_spans(positions: npt.NDArray[np.int64]) -> tuple[tuple[int, int], ...]:
-    """[start, end) of each run of consecutive image positions."""
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    return tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks) if len(run))
-
-
 @dataclass(eq=False)
 class Request:
     request_id: str

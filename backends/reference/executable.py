@@ -12,6 +12,7 @@ import numpy.typing as npt
 import torch
 
 from kiln.backends.base import KVCacheSpec, Logits
+from kiln.backends.kv_manifest import image_rows_width, takes_visible_ends
 from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, Graph, StepInputs, verify
 from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
@@ -26,9 +27,8 @@ class ReferenceExecutable:
         self.weights = {name: materialize(weight) for name, weight in weights.items()}
         self.kv_cache_spec = KVCacheSpec.of_graph(graph)
         self._last_uses = last_uses(graph)
-        widths = [int(v.type.shape[1]) for v in graph.inputs if v.name == IMAGE_ROWS_INPUT]
-        self._image_rows = widths[0] if widths else None  # a vision-language model's hidden size
-        self._visible_ends = any(v.name == VISIBLE_ENDS_INPUT for v in graph.inputs)
+        self._image_rows = image_rows_width(graph)  # a vision-language model's hidden size
+        self._visible_ends = takes_visible_ends(graph)
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         given = {**inputs.as_dict(), KV_CACHE_INPUT: kv_cache}

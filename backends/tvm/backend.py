@@ -26,14 +26,13 @@ from kiln.backends.base import (
     integer_dot_refusal,
     leave_cores_to_compiled_code,
 )
-from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec
+from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec, takes_visible_ends
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import (
     STEP_ABI,
     TVMExecutable,
     set_threads,
-    takes_visible_ends,
     tvm_version,
 )
 

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
-from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields
+from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, takes_visible_ends
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
-from kiln.backends.tvm.executable import STEP_ABI, takes_visible_ends
+from kiln.backends.tvm.executable import STEP_ABI
 from kiln.backends.tvm.layouts import stored_weights
 from kiln.ir import Program, graph_to_json
 

@@ -25,12 +25,11 @@ from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits, check
 from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
-from kiln.ir.step import VISIBLE_ENDS_INPUT, IndexArray, StepInputs
+from kiln.ir.step import IndexArray, StepInputs
 
 if TYPE_CHECKING:
     import torch
 
-    from kiln.ir import Graph
     from kiln.ir.deferred import Weight
 
 ROW_BLOCK = 4
@@ -140,11 +139,6 @@ def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     copy = _aligned_empty(array.shape, array.dtype)
     copy[...] = array
     return copy
-
-
-def takes_visible_ends(graph: Graph) -> bool:
-    """Whether the step compiled from `graph` takes visible_ends (ir/step.py VISIBLE_ENDS_INPUT)."""
-    return any(value.name == VISIBLE_ENDS_INPUT for value in graph.inputs)
 
 
 def step_tensors(inputs: StepInputs, visible_ends: bool = False) -> list[IndexArray]:

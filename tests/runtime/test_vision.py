@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kiln.ir.step import image_spans
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.sequence import PromptImages, image_spans
+from kiln.runtime.sequence import PromptImages
 from kiln.runtime.vision import ImageEmbedding, cache_key_ids, place_images, template_content
 
 pytest.importorskip("transformers")

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.backends.kv_manifest import takes_visible_ends
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import DESCRIPTION, TVMBackend
 from kiln.backends.tvm.cuda_graphs import Captured, DecodeGraphs, decode_bucket, pad_decode, table_width
-from kiln.backends.tvm.executable import takes_visible_ends
 from kiln.backends.tvm.staging import InputStaging
 from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch

@@ -313,7 +313,8 @@ def cpu_step_library(module: tvm.IRModule, folder: Any) -> Any:
 def cpu_executable_of_gpu_step(program: Any, folder: Any) -> Any:
     """A TVMExecutable (the CPU runtime path) running `program`'s CUDA kernels, serialized, on the CPU."""
     from kiln.backends.base import KVCacheSpec
-    from kiln.backends.tvm.executable import TVMExecutable, takes_visible_ends
+    from kiln.backends.kv_manifest import takes_visible_ends
+    from kiln.backends.tvm.executable import TVMExecutable
 
     lowered, module = gpu_step_module(program.graph)
     folder.mkdir(parents=True, exist_ok=True)
