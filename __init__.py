@@ -6,7 +6,7 @@ from typing import Any
 
 from kiln.version import __version__
 
-__all__ = ["LLM", "ReasoningTokens", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "ReasoningTokens", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from kiln.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from kiln.runtime.lora import LoRARequest
+
+        return LoRARequest
     if name in ("SamplingParams", "StructuredOutput", "ReasoningTokens"):
         from kiln.runtime import sampling_params
 

@@ -70,6 +70,8 @@ def pass_options(options: PipelineOptions, source: ModelSource | None = None) ->
         group_size=options.group_size,
         dtype=options.dtype,
         kv_cache_dtype=options.kv_cache_dtype,
+        lora=options.enable_lora,
+        lora_dtype=options.lora_dtype,
         gguf_blocks=gguf_blocks(source) if gguf and source is not None else {},
         quantize_lm_head=gguf,
     )

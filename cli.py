@@ -137,6 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
         "max_step_ms": args.max_step_ms,
         "kv_cache_memory": args.kv_cache_memory,
         "num_blocks": args.num_kv_blocks,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
     }
     logging.basicConfig(level=logging.WARNING, format="kiln: %(levelname)s %(name)s: %(message)s")
     llm = LLM(
@@ -147,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         **{name: value for name, value in sizes.items() if value is not None},
     )
     engine = llm.engine
+    _load_lora_modules(llm, args)
     print(
         f"kiln: serving {llm.artifact.model_name} as {args.served_model_name or args.model} on "
         f"http://{args.host}:{args.port} ({describe(llm.artifact)}; max_model_len {engine.max_model_len:,}, "
@@ -167,9 +170,34 @@ def _serve(args: argparse.Namespace) -> int:
         auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
         media=_media_limits(args),
+        allow_lora_updates=args.allow_runtime_lora_updating,
     )
     llm.close()
     return 0
+
+
+def _load_lora_modules(llm: Any, args: argparse.Namespace) -> None:
+    """--lora-modules NAME=PATH ... (or vLLM's JSON form {"name": ..., "path": ...}), read and checked now."""
+    import json
+
+    from kiln.runtime.lora import LoRAError, LoRARequest
+
+    modules = args.lora_modules or []
+    if (modules or args.allow_runtime_lora_updating) and not llm.options.enable_lora:
+        flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
+        raise UsageError(f"{flag} needs --enable-lora")
+    for index, module in enumerate(modules, start=1):
+        if module.lstrip().startswith("{"):
+            entry = json.loads(module)
+            name, path = entry.get("name"), entry.get("path")
+        else:
+            name, _, path = module.partition("=")
+        if not name or not path:
+            raise UsageError(f'--lora-modules {module!r}: give NAME=PATH or {{"name": ..., "path": ...}}')
+        try:
+            llm.engine.add_lora(LoRARequest(name, index, path))
+        except LoRAError as error:
+            raise UsageError(f"--lora-modules {name}: {error}", hint=error.hint) from None
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -599,6 +627,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit-mm-per-prompt",
         default=None,
         help="the most images one prompt may hold, as JSON: '{\"image\": 4}' (default 8)",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served under their names (PEFT folders or llama.cpp LoRA .gguf files; with "
+        "--enable-lora); a request's `model` picks one",
+    )
+    serve.add_argument(
+        "--max-loras", type=int, default=None, help="LoRA adapters one batch can mix (default 4)"
+    )
+    serve.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank (default 16)")
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)",
     )
     serve.set_defaults(run=_serve)
 

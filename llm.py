@@ -26,6 +26,7 @@ from kiln.runtime.artifact import (
 )
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterReader, LoRAConfig, LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -43,7 +44,19 @@ Prompt = str | Sequence[int] | dict[str, Any]
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLM", "OptionsError", "describe", "open_model"]
+__all__ = ["LLM", "LoRARequest", "OptionsError", "adapter_reader", "describe", "open_model"]
+
+
+def adapter_reader(artifact: LoadedArtifact) -> AdapterReader:
+    """Reads LoRA adapter files (frontend/lora.py) for the model of `artifact`."""
+    from kiln.frontend.lora import read_adapter
+    from kiln.ir.adapters import AdapterBase
+
+    config = artifact.manifest["model"]["config"]
+    base = AdapterBase(
+        str(config["architecture"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    )
+    return lambda path: read_adapter(path, base)
 
 
 def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtifact:
@@ -128,7 +141,8 @@ def describe(artifact: LoadedArtifact) -> str:
 
 class LLM:
     """`model` and its model options (`kiln.compiler.ModelOptions`: backend, target, quantization, dtype,
-    kv_cache_dtype, activation_bits, tensor_parallel_size, speculative_config), then the engine's limits."""
+    kv_cache_dtype, activation_bits, tensor_parallel_size, enable_lora, speculative_config), then the
+    engine's limits (`max_loras` adapters in one step, of rank up to `max_lora_rank`, with enable_lora)."""
 
     def __init__(
         self,
@@ -144,6 +158,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         max_step_ms: float | None = None,
         scheduling_policy: SchedulingPolicy = "fcfs",
+        max_loras: int = DEFAULT_MAX_LORAS,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         show_progress: bool = True,
         **options: Any,
     ) -> None:
@@ -176,6 +192,8 @@ class LLM:
             vocab_size=self.artifact.vocab_size,
             draft=self.draft_artifact.executable if self.draft_artifact is not None else None,
             vision=self.artifact.vision,
+            lora=LoRAConfig(max_loras, max_lora_rank) if self.options.enable_lora else None,
+            adapter_reader=adapter_reader(self.artifact) if self.options.enable_lora else None,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
@@ -195,8 +213,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; the outputs in the prompts' order."""
+        """Run every prompt to completion, batched; the outputs in the prompts' order. `lora_request`:
+        one adapter for every prompt, or a list with one entry per prompt (None: the base model)."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = [self.engine_prompt(prompt) for prompt in prompts]  # type: ignore[union-attr]
@@ -206,9 +226,17 @@ class LLM:
             params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        for request_id, (prompt, images), params in zip(ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, params, images=images)
+        for request_id, (prompt, images), params, lora in zip(
+            ids, prompt_list, params_list, loras, strict=True
+        ):
+            self.engine.add_request(request_id, prompt, params, images=images, lora_request=lora)
         finished = {output.request_id: output for output in self.engine.run_to_completion()}
         return [finished[request_id] for request_id in ids]
 

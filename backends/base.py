@@ -53,6 +53,7 @@ class BuildRequest:
     kv_cache_dtype: str | None
     activation_bits: int
     tensor_parallel_size: int
+    enable_lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Capabilities:
     kv_cache_dtypes: frozenset[str | None] = frozenset({None})  # None: the model's float dtype
     activation_bits: frozenset[int] = frozenset({16})
     tensor_parallel: bool = False
+    lora: bool = True  # compiles the lora op (LoRA adapters as run-time data)
     why_not: Mapping[str, Refusal] = field(default_factory=dict)
 
     def refusal(self, request: BuildRequest) -> Refusal | None:
@@ -89,6 +91,7 @@ class Capabilities:
             "kv_cache_dtype": request.kv_cache_dtype in self.kv_cache_dtypes,
             "activation_bits": request.activation_bits in self.activation_bits,
             "tensor_parallel_size": request.tensor_parallel_size == 1 or self.tensor_parallel,
+            "enable_lora": not request.enable_lora or self.lora,
         }
         for option, supported in builds.items():
             if not supported:

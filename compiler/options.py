@@ -131,6 +131,26 @@ class ModelOptions:
             compiled=True,
         ).metadata,
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=Flag(
+            "compile the step to take LoRA adapters as run-time data (PEFT folders, llama.cpp LoRA GGUFs) on "
+            "the attention and MLP linears: see docs/lora.md",
+            type=bool,
+            commands=COMMANDS | PIPELINE_COMMANDS,
+            compiled=True,
+        ).metadata,
+    )
+    lora_dtype: str = field(
+        default=AUTO,
+        metadata=Flag(
+            "the LoRA tables' dtype: auto (default): f16 for TVM on CPUs with f32 activations, else the "
+            "float dtype; f32, f16, bf16",
+            choices=(AUTO, *DTYPES),
+            commands=COMMANDS | PIPELINE_COMMANDS,
+            compiled=True,
+        ).metadata,
+    )
     speculative_config: SpeculativeConfig | None = field(
         default=None,
         metadata=Flag(
@@ -183,6 +203,11 @@ class ModelOptions:
         )
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise OptionsError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.enable_lora and (self.tensor_parallel_size or 1) > 1:
+            raise OptionsError(
+                "LoRA adapters are not split over tensor-parallel ranks",
+                hint="drop --enable-lora, or use --tensor-parallel-size 1",
+            )
         if self.kv_cache_dtype == FLOAT8_KV_CACHE and (self.tensor_parallel_size or 1) > 1:
             raise OptionsError(
                 "a float8 KV cache is calibrated on the whole model, not per tensor-parallel rank",
@@ -238,6 +263,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         flag: Flag | None = option.metadata.get("flag")
         if flag is None or command not in flag.commands:
             continue
+        if flag.type is bool:
+            parser.add_argument(
+                flag_name(option.name), dest=option.name, action="store_const", const=True, help=flag.help
+            )
+            continue
         parser.add_argument(
             flag_name(option.name),
             dest=option.name,
@@ -279,14 +309,18 @@ def check_artifact_options(folder: Path, options: ModelOptions) -> None:
 
 
 # what a manifest means where it lacks a field (written before the option existed)
-_OLDER_MANIFESTS = {"activation_bits": DEFAULT_ACTIVATION_BITS, "tensor_parallel_size": 1}
+_OLDER_MANIFESTS = {
+    "activation_bits": DEFAULT_ACTIVATION_BITS,
+    "tensor_parallel_size": 1,
+    "enable_lora": False,
+}
 
 
 def _as_asked(name: str, held_options: dict[str, Any]) -> Any:
     """A manifest's value as an option would ask for it (float weights: none; a KV cache in the float
     dtype: that dtype)."""
     held = held_options.get(name)
-    if name == "kv_cache_dtype" and held is None:
+    if name in ("kv_cache_dtype", "lora_dtype") and held is None:
         return held_options.get("dtype", DEFAULT_DTYPE)
     return "none" if held is None else held
 
@@ -304,3 +338,5 @@ class PipelineOptions:
     tensor_parallel_size: int = 1
     rank: int = 0  # the rank whose program is built, with tensor_parallel_size > 1
     kv_cache_dtype: str | None = None  # or "fp8_e4m3": a float8 cache with calibrated scales
+    enable_lora: bool = False  # the step takes LoRA adapters (passes/lora.py)
+    lora_dtype: str | None = None  # their tables' dtype (None: the float dtype)

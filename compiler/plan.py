@@ -24,6 +24,7 @@ from kiln.compiler.options import (
 from kiln.frontend.load import holds_gguf_blocks
 
 CPU_KV_CACHE_DTYPE = "f16"  # auto's KV cache for TVM on CPUs with float32 activations
+CPU_LORA_DTYPE = "f16"  # auto's LoRA tables there
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Plan:
     kv_cache_dtype: str | None
     activation_bits: int
     tensor_parallel_size: int
+    lora_dtype: str | None = None  # the LoRA tables' dtype, None: the float dtype (or no LoRA)
 
     @property
     def model(self) -> str:
@@ -96,6 +98,7 @@ def resolve(options: ModelOptions) -> Plan:
         kv_cache_dtype=_kv_cache_dtype(options.kv_cache_dtype, backend, targets, dtype),
         activation_bits=options.activation_bits or DEFAULT_ACTIVATION_BITS,
         tensor_parallel_size=world,
+        lora_dtype=_lora_dtype(options, backend, targets, dtype),
     )
     _refuse_what_cannot_build(plan)
     return plan
@@ -108,6 +111,19 @@ def _kv_cache_dtype(asked: str, backend: str, targets: tuple[Target, ...], dtype
     if asked == AUTO:
         on_cpu = backend == "tvm" and all(target.kind == "cpu" for target in targets)
         asked = CPU_KV_CACHE_DTYPE if on_cpu and dtype == "f32" else dtype
+    return None if asked == dtype else asked
+
+
+def _lora_dtype(options: ModelOptions, backend: str, targets: tuple[Target, ...], dtype: str) -> str | None:
+    """The LoRA tables' dtype, None where it is the float dtype. auto: float16 for TVM's CPU kernels with
+    float32 activations (an adapter's tables are read every step it runs: half the bytes), else the float
+    dtype."""
+    asked = options.lora_dtype
+    if not options.enable_lora:
+        return None
+    if asked == AUTO:
+        on_cpu = backend == "tvm" and all(target.kind == "cpu" for target in targets)
+        asked = CPU_LORA_DTYPE if on_cpu and dtype == "f32" else dtype
     return None if asked == dtype else asked
 
 
@@ -140,7 +156,13 @@ def _backend_and_targets(backend: str, target: str | None, world: int) -> tuple[
 
 
 def _refuse_what_cannot_build(plan: Plan) -> None:
-    request = BuildRequest(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(BuildRequest)})
+    compiled = plan.compiled()
+    request = BuildRequest(
+        **{
+            f.name: compiled.get(f.name, getattr(plan, f.name, None))
+            for f in dataclasses.fields(BuildRequest)
+        }
+    )
     backend = get_backend(plan.backend)
     for target in plan.targets:
         refusal = backend.capabilities(target).refusal(request)

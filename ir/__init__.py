@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kiln.ir.step import (
         IMAGE_ROWS_INPUT,
         KV_CACHE_INPUT,
+        LORA_SLOTS_INPUT,
         STEP_INPUT_TYPES,
         VISIBLE_ENDS_INPUT,
         StepInputs,
@@ -45,6 +46,7 @@ _MODULE_OF = {
     "IMAGE_ROWS_INPUT": "step",
     "VISIBLE_ENDS_INPUT": "step",
     "KV_CACHE_INPUT": "step",
+    "LORA_SLOTS_INPUT": "step",
     "STEP_INPUT_TYPES": "step",
     "StepInputs": "step",
     "kv_cache_type": "step",
@@ -60,6 +62,7 @@ __all__ = [
     "DTYPES",
     "IMAGE_ROWS_INPUT",
     "KV_CACHE_INPUT",
+    "LORA_SLOTS_INPUT",
     "REGISTRY",
     "STEP_INPUT_TYPES",
     "VISIBLE_ENDS_INPUT",

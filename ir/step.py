@@ -3,7 +3,7 @@ slices of work become its flat tensors (`build_step_inputs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +33,15 @@ IMAGE_ROWS_INPUT = "image_rows"
 # image, whose tokens are then all in the same step). build_step_inputs makes it with `bidirectional_images`.
 VISIBLE_ENDS_INPUT = "visible_ends"
 VISIBLE_ENDS_TYPE = TensorType("i64", ("T",))
+# A model compiled with LoRA adapters (ops/lora.py) also takes lora_slots [T] (i64: each token's adapter
+# slot, -1 for the base model) and, for each adapted module (q_proj, ..., down_proj), the tables
+# lora_a.<module> [layers, LS, LR, in] and lora_b.<module> [layers, LS, LR, out] in the activations' dtype:
+# LS slots of adapters of rank up to LR, chosen when the runtime allocates them (zero rows past an
+# adapter's rank). The runtime owns the tables, as the KV cache, and writes an adapter into a slot.
+LORA_SLOTS_INPUT = "lora_slots"
+LORA_SLOTS_TYPE = TensorType("i64", ("T",))
+LORA_A_PREFIX, LORA_B_PREFIX = "lora_a.", "lora_b."
+LORA_SLOTS_DIM, LORA_RANK_DIM = "LS", "LR"
 IndexArray = npt.NDArray[np.int64]
 Logits = npt.NDArray[np.float32]  # [rows, vocab] on the host: what a step returns, what the sampler reads
 
@@ -55,10 +64,17 @@ class StepInputs:
     logits_indices: IndexArray
     image_rows: npt.NDArray[np.float32] | None = None  # a vision-language model's (IMAGE_ROWS_INPUT)
     visible_ends: IndexArray | None = None  # a model with bidirectional images' (VISIBLE_ENDS_INPUT)
+    lora_slots: IndexArray | None = None  # a model compiled with LoRA's (LORA_SLOTS_INPUT)
+    lora_tables: Mapping[str, Any] | None = None  # its tables by input name, as the runtime holds them
 
     def as_dict(self) -> dict[str, npt.NDArray[Any]]:
-        """The step's inputs by name (image_rows and visible_ends only where there are some)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """The step's inputs by name (image_rows, visible_ends and the LoRA inputs only where given)."""
+        arrays = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "lora_tables" and getattr(self, f.name) is not None
+        }
+        return {**arrays, **(self.lora_tables or {})}
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,7 @@ class SequenceSlice:
     logits_at: Sequence[int] = (-1,)
     image_at: Sequence[int] = ()
     image_rows: npt.NDArray[np.float32] | None = None
+    lora_slot: int = -1  # the slot of the sequence's LoRA adapter, -1 for none
 
 
 def build_step_inputs(
@@ -83,11 +100,13 @@ def build_step_inputs(
     block_size: int,
     vocab_size: int | None = None,
     bidirectional_images: bool = False,
+    lora: bool = False,
 ) -> StepInputs:
     """`vocab_size`: where a vision-language model's image rows are numbered from (IMAGE_ROWS_INPUT),
     needed where a slice has image tokens; a step without any has no image_rows. `bidirectional_images`:
     the step has visible_ends, where each run of consecutive image tokens in a slice is one image that
-    ends in that slice (the scheduler never cuts a chunk inside one)."""
+    ends in that slice (the scheduler never cuts a chunk inside one). `lora`: the step has lora_slots, each
+    slice's `lora_slot` for its tokens (the tables are the runtime's to add)."""
     token_ids: list[int] = []
     image_rows: list[npt.NDArray[np.float32]] = []
     num_image_rows = 0
@@ -97,6 +116,7 @@ def build_step_inputs(
     query_start_loc = [0]
     logits_indices: list[int] = []
     visible_ends: list[int] = []
+    lora_slots: list[int] = []
     for piece in slices:
         seq_len = piece.num_cached + len(piece.token_ids)
         if len(piece.block_table) * block_size < seq_len:
@@ -118,6 +138,7 @@ def build_step_inputs(
             num_image_rows += len(piece.image_at)
         if bidirectional_images:
             visible_ends += _visible_ends(piece)
+        lora_slots += [piece.lora_slot] * len(piece.token_ids)
         logits_indices += [query_start_loc[-1] + (i % len(piece.token_ids)) for i in piece.logits_at]
         seq_lens.append(seq_len)
         query_start_loc.append(len(token_ids))
@@ -137,6 +158,7 @@ def build_step_inputs(
         logits_indices=tensor(logits_indices),
         image_rows=np.concatenate(image_rows).astype(np.float32, copy=False) if image_rows else None,
         visible_ends=tensor(visible_ends) if bidirectional_images else None,
+        lora_slots=tensor(lora_slots) if lora else None,
     )
 
 

@@ -33,6 +33,7 @@ class PassOptions:
     quantize_lm_head: also quantize the LM head (int8 and int4 never quantize the embedding, a gather;
     gguf gathers from the table's blocks when the program is float32).
     kv_cache_dtype: None (the model's float dtype), "f32", "f16", "bf16" or "fp8_e4m3" (kv_cache.py).
+    lora: the step takes LoRA adapters (passes/lora.py).
     """
 
     quantization: str | None = None
@@ -40,6 +41,8 @@ class PassOptions:
     quantize_lm_head: bool = False
     dtype: str = "f32"
     kv_cache_dtype: str | None = None
+    lora: bool = False  # LoRA adapters as run-time data (passes/lora.py)
+    lora_dtype: str | None = None  # their tables' dtype (None: the activations')
     gguf_blocks: dict[str, QuantizedTensor] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """The pipelines, one explicit list per optimisation level: the single source of truth for pass order.
 
 O0: nothing. O1: cleanup. O2: cleanup, fusions, cleanup. Quantization (by option) runs first, so
-GGUF blocks are found under the weights' original names and fusions see quantized linears; the dtype
+GGUF blocks are found under the weights' original names and fusions see quantized linears; LoRA (by
+option) next, so its ops follow the linears of each module before they fuse; the dtype
 conversion (by option) runs next to last, then the float8 KV cache (by option), calibrated on the
 program as it will run.
 """
@@ -20,6 +21,7 @@ from kiln.passes.fusion.parallel_linears import FUSE_PARALLEL_LINEARS
 from kiln.passes.fusion.rope_attention import FUSE_ROPE_ATTENTION
 from kiln.passes.fusion.swiglu import FUSE_SWIGLU
 from kiln.passes.kv_cache import KV_CACHE_DTYPE
+from kiln.passes.lora import ADD_LORA, FUSE_LORA_PIECES
 from kiln.passes.quantize.swap import QUANTIZE_LINEARS
 
 CLEANUP = fixed_point("cleanup", [CANONICALIZE, FOLD_CONSTANTS, CSE, DCE])
@@ -56,6 +58,8 @@ PASSES: dict[str, Pass] = {
         QUANTIZE_LINEARS,
         CONVERT_DTYPE,
         KV_CACHE_DTYPE,
+        ADD_LORA,
+        FUSE_LORA_PIECES,
     )
 }
 
@@ -64,6 +68,10 @@ def pipeline(opt_level: int, options: PassOptions) -> list[Pass]:
     if opt_level not in PIPELINES:
         raise PassError(f"unknown optimisation level {opt_level}", hint=f"choose one of {sorted(PIPELINES)}")
     passes = list(PIPELINES[opt_level])
+    if options.lora:  # before the fusions, which then see its ops; its pieces fuse before swiglu does
+        if FUSE_PARALLEL_LINEARS in passes:
+            passes.insert(passes.index(FUSE_PARALLEL_LINEARS) + 1, FUSE_LORA_PIECES)
+        passes.insert(0, ADD_LORA)
     if options.quantization is not None:
         passes.insert(0, QUANTIZE_LINEARS)
     if options.dtype != "f32":

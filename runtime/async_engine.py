@@ -10,22 +10,25 @@ request stops the engine: `dead` is set, every stream in flight raises EngineDea
 every later `generate`. `shutdown` stops the engine the same way.
 
 What a server needs of the engine is here, safe to call from any thread: the settings fixed at start,
-`validate`, `compile_grammar` and `stats`.
+`validate`, `compile_grammar` and `stats`; LoRA adapters are read off the loop and registered on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.lora import LoRAError, LoRARequest
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
 from kiln.runtime.speculative.decoder import SpeculativeStats
@@ -72,6 +75,7 @@ class EngineStatsSnapshot:
     speculative: SpeculativeStats | None  # None: speculative decoding is off
     prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, tokens found there
+    requests_by_adapter: dict[str, int] = field(default_factory=dict)  # with LoRA: "" for the base model
 
 
 class AsyncEngine:
@@ -140,9 +144,11 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         images: Seq[ImageEmbedding] = (),
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are made, the last one with `finished` set. `images`: a
-        vision-language model's, embedded (runtime/vision.py), in prompt order.
+        vision-language model's, embedded (runtime/vision.py), in prompt order. `lora_request`: a
+        registered adapter's (`add_lora`).
 
         Raises ValueError at once (before yielding) for a prompt or parameters that cannot be served.
         """
@@ -161,7 +167,9 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         prompt_text = prompt if isinstance(prompt, str) else None
-        self._submit(lambda: self._add(request_id, prompt_text, token_ids, params, priority, images))
+        self._submit(
+            lambda: self._add(request_id, prompt_text, token_ids, params, priority, images, lora_request)
+        )
         finished = False
         try:
             while not finished:
@@ -191,15 +199,62 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int,
         images: Seq[ImageEmbedding],
+        lora_request: LoRARequest | None,
     ) -> None:
         try:
-            self._engine.add_request(request_id, token_ids, params, priority, images)
+            if lora_request is not None and self.find_lora(lora_request.lora_name) is None:
+                raise ValueError(f"model {lora_request.lora_name!r}: the adapter was unloaded")
+            self._engine.add_request(request_id, token_ids, params, priority, images, lora_request)
             if prompt is not None:
                 self._engine.requests[request_id].prompt = prompt
-        except ValueError as error:
+        except (ValueError, LoRAError) as error:  # an adapter unloaded since the request was checked
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.put(error)
+                stream.put(error if isinstance(error, ValueError) else ValueError(error.one_line()))
+
+    # -- LoRA adapters ------------------------------------------------------------------------------
+
+    @property
+    def serves_lora(self) -> bool:
+        return self._engine.adapters is not None
+
+    def find_lora(self, name: str) -> LoRARequest | None:
+        """The registered adapter called `name` (any thread may ask)."""
+        adapters = self._engine.adapters
+        return adapters.find(name) if adapters is not None else None
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        adapters = self._engine.adapters
+        return (
+            [adapter.request for adapter in list(adapters.adapters.values())] if adapters is not None else []
+        )
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Read and check the adapter (in a worker thread), then register it on the engine's; a
+        LoRAError says why it cannot be served."""
+        adapters = self._engine.lora_slots()
+        if adapters.find(request.lora_name) is not None:
+            raise LoRAError(f"adapter {request.lora_name!r} is loaded already", hint="unload it first")
+        adapter = await asyncio.to_thread(adapters.read, request)
+        await self._on_engine_thread(lambda: adapters.add(adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregister adapter `name`; a LoRAError while requests use it, or for an unknown name."""
+        await self._on_engine_thread(lambda: self._engine.remove_lora(name))
+
+    async def _on_engine_thread(self, command: Callable[[], Any]) -> Any:
+        """Run `command` between steps, on the engine's thread; its result or its error."""
+        self._raise_if_dead()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(command())
+            except BaseException as error:
+                done.set_exception(error)
+
+        self._submit(run)
+        return await asyncio.wrap_future(done)
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
@@ -281,6 +336,7 @@ class AsyncEngine:
             counters.speculative.copy() if engine.spec_decoder is not None else None,
             engine.scheduler.num_prefix_cache_queried_tokens,
             engine.scheduler.num_prefix_cache_hit_tokens,
+            dict(engine.adapters.requests_by_adapter) if engine.adapters is not None else {},
         )
 
     def _gauges(self) -> tuple[int, int, float]:

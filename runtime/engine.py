@@ -7,15 +7,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kiln.backends.base import Executable, Logits, kv_cache_device
+from kiln.backends.lora_tables import lora_spec
 from kiln.ir.step import SequenceSlice, build_step_inputs, image_spans
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.lora import AdapterReader, AdapterSlots, LoRAConfig, LoRAError, LoRARequest
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
@@ -57,10 +59,13 @@ class LLMEngine:
         vocab_size: int | None = None,
         draft: Executable | None = None,
         vision: VisionModel | None = None,
+        lora: LoRAConfig | None = None,
+        adapter_reader: AdapterReader | None = None,
     ) -> None:
         """`vocab_size`: the LM head's rows (the logits' width), if more than the tokenizer's. `draft`: the
         draft model of speculative method draft_model (same vocabulary). `vision`: a vision-language
-        model's image encoder (prompts may then hold images)."""
+        model's image encoder (prompts may then hold images). `lora`: serve LoRA adapters (read by
+        `adapter_reader`) on an executable compiled with them."""
         self.config = config or EngineConfig()
         spec = self.config.speculative
         if (spec is not None and spec.method == "draft_model") != (draft is not None):
@@ -91,12 +96,51 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.adapters = self._adapter_slots(lora, adapter_reader)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.adapters)
         self.requests: dict[str, Request] = {}
         self._states: dict[str, _SequenceState] = {}
         self._held: dict[str, list[Sequence]] = {}  # n > 1: samples that wait for the prompt's blocks
         self._arrivals = itertools.count()
         self.grammars = Grammars(tokenizer, max(vocab_size or 0, tokenizer.vocab_size))
+
+    def _adapter_slots(self, lora: LoRAConfig | None, reader: AdapterReader | None) -> AdapterSlots | None:
+        spec = lora_spec(self.executable)
+        if lora is None:
+            return None
+        if spec is None:
+            raise LoRAError(
+                "this model's step takes no LoRA adapters: it was compiled without --enable-lora",
+                hint="compile (or serve) the model with --enable-lora",
+            )
+        if reader is None:
+            raise ValueError("serving LoRA adapters needs an adapter reader")
+        tables = spec.allocate(lora.max_loras, lora.max_lora_rank, kv_cache_device(self.executable))
+        return AdapterSlots(spec, lora, tables, reader)
+
+    # -- adapters ---------------------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register an adapter (read and checked now; copied into a slot when a request uses it)."""
+        self.lora_slots().register(request)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter; a LoRAError while requests use it (they are named by count)."""
+        adapters = self.lora_slots()
+        waiting = sum(1 for seq in self.scheduler.waiting if seq.request.lora_name == name) + sum(
+            len(held)
+            for request_id, held in self._held.items()
+            if self.requests[request_id].lora_name == name
+        )
+        adapters.unregister(name, waiting)
+
+    def lora_slots(self) -> AdapterSlots:
+        if self.adapters is None:
+            raise LoRAError(
+                "this server serves no LoRA adapters",
+                hint="start it with --enable-lora (kiln.LLM(enable_lora=True))",
+            )
+        return self.adapters
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -145,10 +189,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         images: Seq[ImageEmbedding] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; `priority` orders it under the priority scheduling policy (smaller first)
         and must stay 0 under fcfs. `images`: a vision-language model's, in prompt order (`place_images`
-        says where their rows go)."""
+        says where their rows go). `lora_request`: its adapter (registered now where it is new)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -157,6 +202,7 @@ class LLMEngine:
         if images:
             prompt, prompt_images = self.place_images(prompt, images)
         token_ids, max_tokens = self.validate(prompt, params)
+        adapter = self.lora_slots().register(lora_request) if lora_request is not None else None
         constraint = params.structured_output
         grammar = self.grammars.compile(constraint) if constraint is not None else None
         request = Request(
@@ -169,7 +215,11 @@ class LLMEngine:
             priority,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             images=prompt_images,
+            lora_name=adapter.request.lora_name if adapter is not None else None,
+            cache_salt=adapter.cache_salt if adapter is not None else None,
         )
+        if self.adapters is not None:
+            self.adapters.requests_by_adapter[request.lora_name or ""] += 1
         for index in range(params.n):
             seq = Sequence(f"{request_id}#{index}", index, request, list(token_ids))
             request.sequences.append(seq)
@@ -258,7 +308,11 @@ class LLMEngine:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
         slices = [self._slice(chunk) for chunk in scheduled.chunks]
-        inputs = build_step_inputs(slices, self.block_size, self.image_row_base, self.bidirectional_images)
+        inputs = build_step_inputs(
+            slices, self.block_size, self.image_row_base, self.bidirectional_images, self.adapters is not None
+        )
+        if self.adapters is not None:
+            inputs = replace(inputs, lora_tables=self.adapters.tables)
         started = time.perf_counter()
         logits = self.executable.step(inputs, self.kv_cache)
         self.scheduler.step_cost.observe(
@@ -279,7 +333,9 @@ class LLMEngine:
             row += num_prompt_rows
             seq.num_computed_tokens += chunk.num_new_tokens - num_drafts  # drafts count once accepted
             self.stats.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens)
+            self.kv.cache_full_blocks(
+                seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
+            )
             if num_drafts:
                 to_verify.append((seq, row, num_drafts))
             elif chunk.completes_known_tokens:
@@ -302,10 +358,11 @@ class LLMEngine:
         tokens = (seq.all_token_ids + seq.draft_token_ids)[chunk.start : end]
         table = self.kv.block_table(seq.seq_id)
         images = seq.request.images
+        lora_slot = self.adapters.slot_of(seq.request.lora_name) if self.adapters is not None else -1
         if images is None:
-            return SequenceSlice(tokens, chunk.start, table, logits_at)
+            return SequenceSlice(tokens, chunk.start, table, logits_at, lora_slot=lora_slot)
         image_at, image_rows = images.in_range(chunk.start, end)
-        return SequenceSlice(tokens, chunk.start, table, logits_at, image_at, image_rows)
+        return SequenceSlice(tokens, chunk.start, table, logits_at, image_at, image_rows, lora_slot)
 
     @staticmethod
     def _prompt_logprob_positions(seq: Sequence, start: int, end: int) -> range:
@@ -367,7 +424,9 @@ class LLMEngine:
         accepted = self.spec_decoder.verify(seq, rows, num_drafts, sample_row)
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
-            self.kv.cache_full_blocks(seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens)
+            self.kv.cache_full_blocks(
+                seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
+            )
 
     def _release_held(self, request: Request) -> None:
         """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""

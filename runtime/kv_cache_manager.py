@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from kiln.runtime.block_pool import BlockHash, BlockPool, KVBlock, chain_hash, model_root_hash
@@ -23,25 +24,30 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return [block.block_id for block in self._blocks.get(seq_id, [])]
 
+    def _root(self, salt: str | None) -> BlockHash:
+        """Where a chain starts: the model's root, or for blocks computed with something else that changes
+        their K/V (a LoRA adapter) a root of its own."""
+        return self.root_hash if salt is None else hashlib.sha256(self.root_hash + salt.encode()).digest()
+
     def _full_block_hashes(
-        self, token_ids: Sequence[int], count: int, known: list[BlockHash]
+        self, token_ids: Sequence[int], count: int, known: list[BlockHash], salt: str | None = None
     ) -> list[BlockHash]:
         hashes = list(known[:count])
-        parent = hashes[-1] if hashes else self.root_hash
+        parent = hashes[-1] if hashes else self._root(salt)
         size = self.block_size
         for index in range(len(hashes), count):
             parent = chain_hash(parent, token_ids[index * size : (index + 1) * size])
             hashes.append(parent)
         return hashes
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
-        """The longest run of cached full blocks at the start of `token_ids`, leaving at least one token
-        to compute (a step must produce the logits of the last token)."""
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[KVBlock]:
+        """The longest run of cached full blocks at the start of `token_ids` (computed with `salt`),
+        leaving at least one token to compute (a step must produce the logits of the last token)."""
         if not self.pool.enable_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = self.root_hash
+        parent = self._root(salt)
         for index in range(max_blocks):
             parent = chain_hash(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
             block = self.pool.lookup(parent)
@@ -69,7 +75,9 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(missing))
         return True
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(
+        self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: str | None = None
+    ) -> None:
         """Register every block of `seq_id` whose tokens are all computed now."""
         if not self.pool.enable_caching:
             return
@@ -78,7 +86,7 @@ class KVCacheManager:
         known = self._hashes.setdefault(seq_id, [])
         if num_full <= len(known):
             return
-        hashes = self._full_block_hashes(token_ids, num_full, known)
+        hashes = self._full_block_hashes(token_ids, num_full, known, salt)
         for index in range(len(known), num_full):
             self.pool.register(blocks[index], hashes[index])
         self._hashes[seq_id] = hashes

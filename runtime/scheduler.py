@@ -9,7 +9,8 @@ is computed in chunks across steps, and a decoding stream never waits for a whol
 running sequence needs a block and none is free, the last in the queue's order is preempted (the
 newest; under the priority policy the one of the largest `priority`, then the newest): its blocks are
 freed and it goes back to the waiting queue, to recompute its tokens (prompt and output) when
-readmitted. Nothing is admitted in a step that preempted.
+readmitted. Nothing is admitted in a step that preempted. A sequence with a LoRA adapter is admitted
+once its adapter has a slot (runtime/lora.py); while every slot is held, the queue waits.
 
 Policies (vLLM's `--scheduling-policy`): `fcfs` admits in arrival order; `priority` in order of the
 request's `priority` (smaller first, as vLLM), then arrival.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.lora import AdapterSlots
 from kiln.runtime.sequence import Sequence, SequenceStatus
 from kiln.runtime.step_cost import StepCostModel
 
@@ -101,9 +103,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterSlots | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.adapters = adapters  # a running sequence holds its LoRA adapter's slot
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -135,6 +140,7 @@ class Scheduler:
         """Drop a finished or aborted sequence and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_adapter(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)
@@ -185,8 +191,13 @@ class Scheduler:
                 return False
         return True
 
+    def _release_adapter(self, seq: Sequence) -> None:
+        if self.adapters is not None and seq.request.lora_name is not None:
+            self.adapters.release(seq.request.lora_name)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_adapter(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
@@ -197,7 +208,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq.cache_key_ids)
+            cached = self.kv.find_cached_prefix(seq.cache_key_ids, seq.request.cache_salt)
             collected = seq.request.prompt_logprobs
             if collected is not None and seq.index == 0:  # skip no position whose logprob is still missing
                 cached = cached[: (len(collected) - 1) // self.kv.block_size]
@@ -209,7 +220,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget and whole_fits:
                 break
             num_new = _whole_images(seq, num_computed, min(remaining, budget))
+            adapter = seq.request.lora_name
+            if adapter is not None and self.adapters is not None and self.adapters.acquire(adapter) is None:
+                break  # every adapter slot is held by running sequences of other adapters
             if not self.kv.allocate(seq.seq_id, num_computed + num_new, cached):
+                self._release_adapter(seq)
                 break
             self.waiting.popleft()
             if seq.num_preemptions == 0 and not seq.output_token_ids:

@@ -101,6 +101,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     images: PromptImages | None = None
+    lora_name: str | None = None  # its LoRA adapter (runtime/lora.py), None for the base model
+    cache_salt: str | None = None  # keys its prefix-cache blocks apart from other adapters' (the adapter's)
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,8 @@
 #       -> DEST/llama_cpp_python-VERSION/vendor/llama.cpp   (its path is the last line printed)
 #
 # DEST defaults to $KILN_HOME/llama.cpp-source (KILN_HOME defaults to ~/.cache/kiln). --python-only
-# unpacks just what converting needs (convert_hf_to_gguf.py, conversion/, gguf-py/: a few MB of the 217),
+# unpacks just what converting needs (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/, gguf-py/:
+# a few MB of the 217),
 # as `make test` does for the loader checks against llama.cpp's own GGUF files; scripts/build_llama_cpp.sh
 # unpacks all of it to build the tools. A rerun reuses what is there.
 set -euo pipefail
@@ -26,8 +27,9 @@ echo "$sha256  $archive" | sha256sum --check --quiet - || {
   exit 1
 }
 if [ "$part" = --python-only ]; then
-  if [ ! -f "$source_dir/convert_hf_to_gguf.py" ]; then
-    members=("$top/vendor/llama.cpp/convert_hf_to_gguf.py" "$top/vendor/llama.cpp/conversion" "$top/vendor/llama.cpp/gguf-py")
+  if [ ! -f "$source_dir/convert_lora_to_gguf.py" ]; then
+    members=("$top/vendor/llama.cpp/convert_hf_to_gguf.py" "$top/vendor/llama.cpp/convert_lora_to_gguf.py"
+      "$top/vendor/llama.cpp/conversion" "$top/vendor/llama.cpp/gguf-py")
     tar -xzf "$archive" -C "$dest" "${members[@]}"
   fi
 elif [ ! -f "$source_dir/CMakeLists.txt" ]; then

@@ -13,7 +13,7 @@ import hmac
 from http import HTTPStatus
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,11 +25,14 @@ from kiln.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kiln.server.serving_chat import OpenAIServingChat
 from kiln.server.serving_completions import OpenAIServingCompletion
 from kiln.server.serving_engine import Admission, MediaLimits
+from kiln.server.serving_lora import OpenAIServingLoRA
 from kiln.server.serving_tokenize import OpenAIServingTokenization
 
 UNPROTECTED_PATHS = frozenset({"/health", "/metrics"})
@@ -54,7 +57,24 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse(_state(request).tokenization.models().model_dump())
+    state = _state(request)
+    models = state.tokenization.models()
+    models.data += state.lora.cards(state.engine.max_model_len)
+    return JSONResponse(models.model_dump())
+
+
+# only with --allow-runtime-lora-updating (create_app's allow_lora_updates)
+lora_router = APIRouter()
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+    return PlainTextResponse(await _state(request).lora.load(body))
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+    return PlainTextResponse(await _state(request).lora.unload(body))
 
 
 @router.post("/v1/completions")
@@ -111,11 +131,13 @@ def create_app(
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     media: MediaLimits | None = None,
+    allow_lora_updates: bool = False,
 ) -> FastAPI:
     """The server for one engine. The caller owns the engine (and shuts it down after the server).
 
     `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len; `media`: where a
-    request's images may come from and how many a prompt may hold (None: data: URLs, 8 images).
+    request's images may come from and how many a prompt may hold (None: data: URLs, 8 images);
+    `allow_lora_updates`: the routes that load and unload LoRA adapters at run time.
     """
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -136,7 +158,10 @@ def create_app(
     state.tokenization = OpenAIServingTokenization(
         engine, served_model_name, admission, server_metrics, media
     )
+    state.lora = OpenAIServingLoRA(engine, served_model_name)
     app.include_router(router)
+    if allow_lora_updates:
+        app.include_router(lora_router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:  # added last, so it runs first

@@ -83,6 +83,15 @@ class _EngineCollector(Collector):
             "Sequences preempted (to recompute later) for lack of KV blocks.",
             stats.num_preemptions,
         )
+        if self.engine.serves_lora:
+            by_adapter = CounterMetricFamily(
+                "kiln:lora_requests",
+                "Requests admitted, by LoRA adapter (the base model's under the served model's name).",
+                labels=["model_name", "lora_name"],
+            )
+            for adapter, count in sorted(stats.requests_by_adapter.items()):
+                by_adapter.add_metric([self.model_name, adapter or self.model_name], float(count))
+            yield by_adapter
         speculative = stats.speculative
         if speculative is None:
             return

@@ -222,6 +222,19 @@ class ModelList(ResponseModel):
     data: list[ModelCard]
 
 
+# -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -----------------------------
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's body has it; the name decides
+
+
 # -- /v1/completions ------------------------------------------------------------------------------------
 
 

@@ -42,9 +42,10 @@ def run_server(
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     media: MediaLimits | None = None,
+    allow_lora_updates: bool = False,
 ) -> None:
     """`max_request_bytes` None: see `create_app`; `auto_tool_parser`: the tool-call parser of
-    tool_choice "auto" (None: auto is refused)."""
+    tool_choice "auto" (None: auto is refused); `allow_lora_updates`: see `create_app`."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
     app = create_app(
@@ -56,6 +57,7 @@ def run_server(
         auto_tool_parser=auto_tool_parser,
         reasoning_parser=reasoning_parser,
         media=media,
+        allow_lora_updates=allow_lora_updates,
     )
     config = uvicorn.Config(
         app,

@@ -89,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _prepare(self, request: ChatCompletionRequest) -> _ChatPrepared:
         """Templated, tokenized and checked; run off the event loop (long messages take a while)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         tools = plan(request, self.auto_tool_parser)
@@ -116,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.encode(text, "messages", add_special_tokens=False)
         embedded = self.embed_images(images, "messages")
         prepared = self.check_prompt(
-            token_ids, params, "messages", request.max_tokens_param, request.priority, embedded
+            token_ids, params, "messages", request.max_tokens_param, request.priority, embedded, lora
         )
         parser = self.reasoning_parser
         if parser is not None:
@@ -154,7 +154,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=_usage(final)
+            id=request_id,
+            created=created,
+            model=self.response_model(request.model),
+            choices=choices,
+            usage=_usage(final),
         )
 
     async def _stream(
@@ -169,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[choice]
+                    id=request_id, created=created, model=self.response_model(request.model), choices=[choice]
                 )
             )
 
@@ -214,7 +218,11 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream_options is not None and request.stream_options.include_usage and final is not None:
             yield sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=_usage(final)
+                    id=request_id,
+                    created=created,
+                    model=self.response_model(request.model),
+                    choices=[],
+                    usage=_usage(final),
                 )
             )
 

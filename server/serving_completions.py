@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prepare(self, request: CompletionRequest) -> list[_Prompt]:
         """Tokenized and checked; run off the event loop (tokenizing a long prompt takes a while)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -88,7 +88,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_token_ids(prompt, "prompt")
                 token_ids = list(prompt)
                 text = self.tokenizer.decode(token_ids) if request.echo else ""
-            prepared = self.check_prompt(token_ids, params, "prompt", "max_tokens", request.priority)
+            prepared = self.check_prompt(
+                token_ids, params, "prompt", "max_tokens", request.priority, lora=lora
+            )
             out.append(_Prompt(prepared, text))
         return out
 
@@ -122,7 +124,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=_usage(finals)
+            id=request_id,
+            created=created,
+            model=self.response_model(request.model),
+            choices=choices,
+            usage=_usage(finals),
         )
 
     # -- streamed -----------------------------------------------------------------------------------------
@@ -156,14 +162,21 @@ class OpenAIServingCompletion(OpenAIServing):
                     ended.add(index)
                 yield sse(
                     CompletionStreamResponse(
-                        id=request_id, created=created, model=self.model_name, choices=[choice]
+                        id=request_id,
+                        created=created,
+                        model=self.response_model(request.model),
+                        choices=[choice],
                     )
                 )
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = _usage([finals[i] for i in sorted(finals)])
             yield sse(
                 CompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                    id=request_id,
+                    created=created,
+                    model=self.response_model(request.model),
+                    choices=[],
+                    usage=usage,
                 )
             )
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
 from kiln.runtime.image_processing import ImageProcessingError
+from kiln.runtime.lora import LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -112,6 +113,7 @@ class Prepared:
     params: SamplingParams
     priority: int = 0
     images: list[ImageEmbedding] = field(default_factory=list)  # their placeholders expanded in the ids
+    lora: LoRARequest | None = None  # the adapter the request's `model` names
 
 
 class OpenAIServing:
@@ -134,9 +136,18 @@ class OpenAIServing:
 
     # -- checks, each a 4xx/5xx before anything runs --------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for a name served by no one."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.engine.find_lora(model)
+        if adapter is None:
             raise not_found_model(model)
+        return adapter
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` of a response: the adapter's name where the request named one."""
+        return model if model is not None and model != self.model_name else self.model_name
 
     def check_engine(self) -> None:
         if self.engine.dead is not None:
@@ -180,6 +191,7 @@ class OpenAIServing:
         max_tokens_param: str,
         priority: int = 0,
         images: Sequence[ImageEmbedding] = (),
+        lora: LoRARequest | None = None,
     ) -> Prepared:
         """The engine's own validation, as a 400 naming the field; a prompt that leaves no room for
         output is `context_length_exceeded`. `images`: the prompt's, each placeholder then expanded."""
@@ -199,7 +211,7 @@ class OpenAIServing:
             param = max_tokens_param if "max_tokens" in message else prompt_param
             code = "context_length_exceeded" if "max_model_len" in message else None
             raise bad_request(message, param, code) from None
-        return Prepared(ids, params, priority, list(images))
+        return Prepared(ids, params, priority, list(images), lora)
 
     def expand_images(
         self, token_ids: list[int], placeholders: Sequence[Sequence[int]], param: str
@@ -305,7 +317,12 @@ class OpenAIServing:
         """The engine's stream with metrics; leaving it early aborts the request."""
         tracker = self.metrics.track()
         stream = self.engine.generate(
-            prepared.prompt_token_ids, prepared.params, request_id, prepared.priority, prepared.images
+            prepared.prompt_token_ids,
+            prepared.params,
+            request_id,
+            prepared.priority,
+            prepared.images,
+            prepared.lora,
         )
         try:
             async for output in stream:

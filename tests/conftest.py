@@ -7,6 +7,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -812,3 +813,89 @@ def compile_image_encoder() -> Callable[[Any, str, Path], Any]:
         return OrtImageEncoder(folder, program.weights)
 
     return compile_encoder
+
+
+# -- LoRA adapters: tiny random-weight bases with random PEFT adapters, and llama.cpp's GGUFs of them ------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class TinyLoRAModel:
+    """A tiny HF model (`kind`: llama or qwen2) and its adapters: PEFT folders, the GGUFs of the same."""
+
+    kind: str
+    base: Path
+    adapters: dict[str, Path]
+    gguf_adapters: dict[str, Path]
+
+    def peft_model(self, adapter: str | None) -> Any:
+        """transformers (+ peft) on the same weights, float32, eval mode: the reference."""
+        import peft
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.base, attn_implementation="eager"
+        ).eval()
+        if adapter is None:
+            return model
+        return peft.PeftModel.from_pretrained(model, self.adapters[adapter]).eval()
+
+
+def save_tiny_lora(base: Path, out: Path, seed: int, rank: int, **config: Any) -> Path:
+    """A PEFT adapter of rank `rank` with random A and B (seed) on every attention and MLP linear."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(seed)
+    options = {"r": rank, "lora_alpha": 2 * rank, "target_modules": LORA_TARGETS, **config}
+    adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **options))
+    with torch.no_grad():  # B's random init is small next to these tiny weights: make the updates count
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.mul_(3.0)
+    adapted.save_pretrained(out)
+    return out
+
+
+def convert_lora(llama_cpp_source: Path, base: Path, adapter: Path, out: Path) -> Path:
+    """llama.cpp's convert_lora_to_gguf.py on a PEFT folder (float32)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, str(llama_cpp_source / "convert_lora_to_gguf.py"), "--base", str(base)]
+    command += ["--outtype", "f32", "--outfile", str(out), str(adapter)]
+    env = {**os.environ, "PYTHONPATH": f"{llama_cpp_source}:{llama_cpp_source / 'gguf-py'}"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_models(
+    tmp_path_factory: pytest.TempPathFactory, llama_cpp_source: Path
+) -> dict[str, TinyLoRAModel]:
+    """A tiny Llama with adapters "r4" (rank 4), "r8" (rank 8) and "rs8" (rank 8, rsLoRA, attention only),
+    and a tiny Qwen2 with "r4" and "r8"; each adapter also as llama.cpp's GGUF."""
+    from tests.backends.conftest import save_tiny_hf
+
+    models = {}
+    for kind in ("llama", "qwen2"):
+        folder = tmp_path_factory.mktemp(f"lora-{kind}")
+        base = folder / "base"
+        save_tiny_hf(kind, base)
+        specs = {"r4": (1, 4, {}), "r8": (2, 8, {})}
+        if kind == "llama":
+            specs["rs8"] = (3, 8, {"use_rslora": True, "target_modules": ["q_proj", "v_proj", "o_proj"]})
+        adapters = {
+            name: save_tiny_lora(base, folder / name, seed, rank, **extra)
+            for name, (seed, rank, extra) in specs.items()
+        }
+        ggufs = {
+            name: convert_lora(llama_cpp_source, base, path, folder / f"{name}.gguf")
+            for name, path in adapters.items()
+        }
+        models[kind] = TinyLoRAModel(kind, base, adapters, ggufs)
+    return models

@@ -9,12 +9,19 @@ from kiln.backends.targets import Target
 def onnx_capabilities(backend: str, target: Target, unavailable: str | None) -> Capabilities:
     """The dtypes `target`'s hardware computes in; a KV cache in the model's dtype only; no collective
     ops (the CPU build has no all-reduce, and cutting the graph at every collective would make two
-    sessions a layer with a host round trip between them), 16-bit activations."""
+    sessions a layer with a host round trip between them), 16-bit activations; LoRA but on TensorRT."""
     hardware = Hardware.of(target)
     return Capabilities(
         unavailable=Refusal(unavailable) if unavailable is not None else None,
         dtypes=hardware.dtypes,
+        lora=backend != "tensorrt",
         why_not={
+            "enable_lora": Refusal(
+                f"LoRA adapters run on tvm, onnxruntime and reference, not {backend}: its engines take no "
+                "run-time adapter tables",
+                "enable_lora",
+                hint="use --backend tvm with --enable-lora",
+            ),
             **hardware.why_not,
             "kv_cache_dtype": Refusal(
                 f"a KV cache in another dtype than the model's (--kv-cache-dtype f16, bf16, fp8) runs on tvm "

@@ -14,6 +14,7 @@ from kiln.backends.base import BackendError
 from kiln.backends.onnx import (  # noqa: F401  (register the rules)
     ops_attention,
     ops_basic,
+    ops_lora,
     ops_moe,
     ops_quant,
     ops_vision,

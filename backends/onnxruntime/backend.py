@@ -17,6 +17,7 @@ from kiln.backends.base import (
     leave_cores_to_compiled_code,
 )
 from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
+from kiln.backends.lora_tables import lora_fields
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
 from kiln.backends.onnx.capabilities import onnx_capabilities
 from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
@@ -51,7 +52,8 @@ class OnnxRuntimeBackend:
         checks = check_model(lowered.model)
         config = session_config(target, settings)
         kv_cache = kv_cache_fields(program.graph)
-        files = write_lowered(lowered, folder, {SESSION_KEY: config, "kv_cache": kv_cache, "checks": checks})
+        extra = {SESSION_KEY: config, "kv_cache": kv_cache, "lora": lora_fields(program.graph)}
+        files = write_lowered(lowered, folder, {**extra, "checks": checks})
         manifest = {
             "onnx": {
                 "opsets": {o.domain or "ai.onnx": o.version for o in lowered.model.opset_import},

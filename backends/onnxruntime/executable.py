@@ -1,5 +1,5 @@
-"""A lowered model run by ONNX Runtime: weights injected from memory, step inputs and the KV cache
-bound zero-copy, this step's K/V rows scattered into the cache after the run."""
+"""A lowered model run by ONNX Runtime: weights injected from memory, step inputs, the KV cache and the
+LoRA tables bound zero-copy, this step's K/V rows scattered into the cache after the run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import onnxruntime as ort
 import torch
 
 from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits
+from kiln.backends.lora_tables import LoRASpec, with_lora_inputs
 from kiln.backends.onnx import WeightBinding, materialize
 from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, StepInputs
 from kiln.ir.host_arrays import as_torch
@@ -89,6 +90,12 @@ class OnnxRuntimeExecutable:
         image_rows = inputs.get(IMAGE_ROWS_INPUT)
         self._image_rows = int(image_rows.shape[1]) if image_rows is not None else None  # its hidden size
         self._visible_ends = VISIBLE_ENDS_INPUT in inputs
+        # the manifest's `lora` entry (the backend writes it, null without LoRA); a step given no tables
+        # binds one zero slot of rank 1 where the cache lives (no slot matches -1: every row on the base
+        # model), not empty ones: no GEMM over zero columns for an EP to special-case, no copy a step
+        self.lora_spec = LoRASpec.from_fields(meta.get("lora"))
+        spec = self.lora_spec
+        self._no_lora = spec.allocate(1, 1, self.kv_cache_device) if spec is not None else {}
 
     @staticmethod
     def _bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
@@ -107,10 +114,16 @@ class OnnxRuntimeExecutable:
         if not kv_cache.is_contiguous():
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()
-        arrays = inputs.as_dict()
+        if self.lora_spec is not None:
+            inputs = with_lora_inputs(inputs, self.lora_spec, self._no_lora)
+        tables = dict(inputs.lora_tables or {})
+        arrays = {name: a for name, a in inputs.as_dict().items() if name not in tables}
         if self._visible_ends and VISIBLE_ENDS_INPUT not in arrays:
             arrays[VISIBLE_ENDS_INPUT] = causal_visible_ends(inputs)
         given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in arrays.items()}
+        # the runtime's tables, bound where it keeps them (written in place between steps: never copied
+        # here; ONNX Runtime copies host ones to the EP's device within the run)
+        given.update({name: self._table(name, table) for name, table in tables.items()})
         if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
             given[IMAGE_ROWS_INPUT] = torch.zeros((0, self._image_rows), device=kv_cache.device)
         for name, tensor in given.items():
@@ -132,6 +145,13 @@ class OnnxRuntimeExecutable:
         if new_kv is not None:
             self._write_cache(kv_cache, new_kv, given["slot_mapping"])
         return logits.to("cpu", torch.float32).numpy()
+
+    @staticmethod
+    def _table(name: str, table: Any) -> torch.Tensor:
+        tensor = as_torch(table) if isinstance(table, np.ndarray) else table
+        if not tensor.is_contiguous():
+            raise BackendError(f"the LoRA table {name} must be contiguous to be bound zero-copy")
+        return tensor
 
     @staticmethod
     def _write_cache(kv_cache: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from kiln.backends.base import KVCacheSpec, Logits
 from kiln.backends.kv_manifest import image_rows_width, takes_visible_ends
+from kiln.backends.lora_tables import LoRASpec, with_lora_inputs
 from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, Graph, StepInputs, verify
 from kiln.ir.deferred import materialize
 from kiln.ir.interpreter import check_weights, interpret, last_uses
@@ -29,8 +30,12 @@ class ReferenceExecutable:
         self._last_uses = last_uses(graph)
         self._image_rows = image_rows_width(graph)  # a vision-language model's hidden size
         self._visible_ends = takes_visible_ends(graph)
+        self.lora_spec = LoRASpec.of_graph(graph)
+        self._no_lora = self.lora_spec.allocate(0, 0) if self.lora_spec is not None else {}
 
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
+        if self.lora_spec is not None:
+            inputs = with_lora_inputs(inputs, self.lora_spec, self._no_lora)
         given = {**inputs.as_dict(), KV_CACHE_INPUT: kv_cache}
         if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
             given[IMAGE_ROWS_INPUT] = torch.zeros(0, self._image_rows, dtype=torch.float32)

@@ -4,7 +4,8 @@
                      no weights)
 <target>/step.json   the weight parameters and their layouts, the KV cache spec, target details, the
                      functions in step.so, the optional inputs they take (image_rows: its width;
-                     visible_ends: whether; an artifact from before the field takes none)
+                     visible_ends: whether; lora: the LoRA tables' LoRASpec fields, or null; an
+                     artifact from before a field takes none)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kiln.backends.base import (
     leave_cores_to_compiled_code,
 )
 from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec, takes_visible_ends
+from kiln.backends.lora_tables import LoRASpec, lora_fields
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import (
@@ -147,6 +149,7 @@ class TVMBackend:
             "kv_cache": kv_cache_fields(program.graph),
             "image_rows": image_rows_width(program.graph),
             "visible_ends": takes_visible_ends(program.graph),
+            "lora": lora_fields(program.graph),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
         from kiln.backends.tvm.layouts import stored_weights
@@ -201,6 +204,7 @@ class TVMBackend:
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
             image_rows=description.get("image_rows"),
             visible_ends=description.get("visible_ends", False),
+            lora=LoRASpec.from_fields(description.get("lora")),
         )
 
     def compile_encoder(

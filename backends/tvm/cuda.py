@@ -8,7 +8,8 @@ build needs no weight values) and writes step.so: the Relax VM bytecode, the hos
 fatbin holding a cubin (SASS) for the arch plus its PTX.
 
 <target>/step.so     the compiled `step` with its device code (no weights)
-<target>/step.json   parameters and layouts, KV cache spec, gpu_arch, what was compiled how, CUDA graphs
+<target>/step.json   parameters and layouts, KV cache spec, gpu_arch, what was compiled how, CUDA graphs,
+                     the optional inputs (image_rows, visible_ends, lora: as backend.py writes them)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
 from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, takes_visible_ends
+from kiln.backends.lora_tables import lora_fields
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
@@ -237,6 +239,7 @@ def compile_cuda(
         "kv_cache": kv_cache,
         "image_rows": image_rows_width(program.graph),
         "visible_ends": takes_visible_ends(program.graph),
+        "lora": lora_fields(program.graph),
         "cuda_graph": graphs,
     }
     (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")

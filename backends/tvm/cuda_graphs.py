@@ -7,10 +7,13 @@ once to warm the VM's memory pool, then is captured into a `torch.cuda.CUDAGraph
 `tvm_ffi.use_torch_stream`; later steps of that bucket upload their inputs (one copy from pinned
 memory, staging.py), copy them into the captured buffers on the device, replay it and copy the
 logits out (the next replay overwrites the captured output). A capture is keyed by everything it
-baked in: the bucket, the table width and the KV cache (address, shape, dtype, device), and it holds
-the cache so that address cannot be reused by another tensor. This is the only capture mechanism:
-the build does not run Relax's RewriteCUDAGraph, whose captures would nest inside this one. Any
-capture failure turns graphs off for the executable, with a warning, and steps run as plain calls.
+baked in: the bucket, the table width, the KV cache (address, shape, dtype, device) and, for a model
+compiled with LoRA, the step's LoRA tables (their addresses and shapes: the runtime allocates them
+once and writes adapters into them in place, which a replay then reads), and it holds the cache and
+the tables so those addresses cannot be reused by another tensor; padding sequences get LoRA slot
+-1. This is the only capture mechanism: the build does not run Relax's RewriteCUDAGraph, whose
+captures would nest inside this one. Any capture failure turns graphs off for the executable, with
+a warning, and steps run as plain calls.
 
 Written without a GPU: keys, padding and the copy-out are tested on the CPU with a stand-in for the
 graph that re-runs the step into the same output buffer (tests/backends/tvm/test_cuda_graphs.py);
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -75,6 +78,7 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
         query_start_loc=padded(inputs.query_start_loc, sequences),
         logits_indices=np.arange(bucket, dtype=np.int64),
         visible_ends=None if inputs.visible_ends is None else padded(inputs.visible_ends, 1),
+        lora_slots=None if inputs.lora_slots is None else padded(inputs.lora_slots, -1),
     )
 
 
@@ -88,12 +92,20 @@ class GraphKey:
     cache_shape: tuple[int, ...]
     cache_dtype: torch.dtype
     cache_device: str
+    lora_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (address, shape) of each LoRA table
 
 
-def graph_key(bucket: int, width: int, kv_cache: torch.Tensor) -> GraphKey:
-    return GraphKey(
-        bucket, width, kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, str(kv_cache.device)
-    )
+def graph_key(
+    bucket: int, width: int, kv_cache: torch.Tensor, lora_tables: Mapping[str, Any] | None = None
+) -> GraphKey:
+    tables = tuple((_address(t), tuple(t.shape)) for _, t in sorted((lora_tables or {}).items()))
+    cache = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, str(kv_cache.device))
+    return GraphKey(bucket, width, *cache, tables)
+
+
+def _address(table: Any) -> int:
+    """A LoRA table's data address: a tensor's (a GPU's), an array's (the CPU stand-ins of the tests)."""
+    return int(table.ctypes.data) if isinstance(table, np.ndarray) else int(table.data_ptr())
 
 
 class Replayable(Protocol):
@@ -106,6 +118,7 @@ class Captured:
     tensors: list[torch.Tensor]  # the captured input buffers, refilled before each replay
     logits: torch.Tensor  # the captured output buffer, overwritten by each replay
     kv_cache: torch.Tensor  # held so that its address, part of the key, is not reused
+    lora_tables: Mapping[str, Any] | None = None  # held likewise (set by DecodeGraphs.run)
 
 
 Capture = Callable[[Any, list[IndexArray], torch.Tensor], Captured]
@@ -160,16 +173,18 @@ class DecodeGraphs:
         width = table_width(inputs.block_tables.shape[1])
         padded = pad_decode(inputs, bucket, width)
         host = executable.step_tensors(padded)
-        key = graph_key(bucket, width, kv_cache)
+        key = graph_key(bucket, width, kv_cache, inputs.lora_tables)
         entry = self.captured.get(key)
         if entry is None:
             try:
+                # a LoRA model's call passes the tables the executable's step set: this step's
                 entry = self._capture(executable, host, kv_cache)
             except Exception as error:  # a driver or TVM refusal: run without graphs from now on
                 warnings.warn(f"CUDA graph capture failed, running without graphs: {error}", stacklevel=2)
                 self.enabled = False
                 self.failure = f"{type(error).__name__}: {error}"
                 return None
+            entry.lora_tables = dict(inputs.lora_tables) if inputs.lora_tables else None
             self.captured[key] = entry
         for buffer, tensor in zip(entry.tensors, executable.upload(host), strict=True):
             buffer.copy_(tensor)

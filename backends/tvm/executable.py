@@ -22,10 +22,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits, check_kv_cache_device
+from kiln.backends.lora_tables import LoRASpec, LoRATables, with_lora_inputs
 from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
-from kiln.ir.step import IndexArray, StepInputs
+from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, IndexArray, StepInputs
 
 if TYPE_CHECKING:
     import torch
@@ -33,10 +34,13 @@ if TYPE_CHECKING:
     from kiln.ir.deferred import Weight
 
 ROW_BLOCK = 4
+LORA_MAX_RANK_CUDA = 256  # kernels/lora.py MAX_RANK (not imported: that module needs the TVM compiler)
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
 # 2: (token_ids[tq,4], positions, slot_mapping, block_tables, seq_lens, query_start_loc,
 #     logits_indices[lq,4], kv_cache, row_counts[2], *weights); a vision-language model's image_rows
-#     after kv_cache, then a model with bidirectional images' visible_ends[tq,4] (lowering.py)
+#     after kv_cache, then a model with bidirectional images' visible_ends[tq,4], then a model compiled
+#     with LoRA's lora_slots[tq,4] and its tables (lora_a.<module>, lora_b.<module> for each module of
+#     its LoRASpec in turn), all before row_counts (lowering.py)
 STEP_ABI = 2
 STEP_INPUTS = 7  # the step contract's inputs before kv_cache
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
@@ -141,11 +145,12 @@ def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copy
 
 
-def step_tensors(inputs: StepInputs, visible_ends: bool = False) -> list[IndexArray]:
+def step_tensors(inputs: StepInputs, visible_ends: bool = False, lora: bool = False) -> list[IndexArray]:
     """The compiled function's host token inputs (rows padded): the step contract's STEP_INPUTS, then
-    visible_ends where the function takes it (`visible_ends`), then `row_counts`, in arrays of their
-    own (HostStepBuffers reuses its arrays from step to step)."""
-    return HostStepBuffers(visible_ends).tensors(inputs)
+    visible_ends where the function takes it (`visible_ends`), then lora_slots where it takes them
+    (`lora`: padding rows and a step given none get -1), then `row_counts`, in arrays of their own
+    (HostStepBuffers reuses its arrays from step to step)."""
+    return HostStepBuffers(visible_ends, lora).tensors(inputs)
 
 
 class HostStepBuffers:
@@ -153,9 +158,10 @@ class HostStepBuffers:
     when a step needs more: no allocation on the decode loop's critical path. A CPU step finishes
     before the next is built, so each buffer is free again when the next step fills it."""
 
-    def __init__(self, visible_ends: bool = False) -> None:
+    def __init__(self, visible_ends: bool = False, lora: bool = False) -> None:
         self.visible_ends = visible_ends  # the function takes visible_ends
-        self._buffers: list[IndexArray | None] = [None] * 9
+        self.lora = lora  # the function takes lora_slots
+        self._buffers: list[IndexArray | None] = [None] * 10
 
     def tensors(self, inputs: StepInputs) -> list[IndexArray]:
         num_logits = inputs.logits_indices.shape[0]
@@ -168,8 +174,19 @@ class HostStepBuffers:
             self._copy(5, inputs.query_start_loc),
             self._rows(6, inputs.logits_indices, 0),
             *([self._visible_ends(8, inputs)] if self.visible_ends else []),
+            *([self._lora_slots(9, inputs)] if self.lora else []),
             self._copy(7, np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64)),
         ]
+
+    def _lora_slots(self, index: int, inputs: StepInputs) -> IndexArray:
+        """Each token row's adapter slot; -1 (no adapter) for the padding rows and a step given none."""
+        slots = inputs.lora_slots
+        if slots is None:
+            slots = np.full(inputs.token_ids.shape, -1, dtype=np.int64)
+        if slots.shape != inputs.token_ids.shape:
+            rows = len(inputs.token_ids)
+            raise BackendError(f"lora_slots {list(slots.shape)}: not one for each of the {rows} token rows")
+        return self._rows(index, slots, -1)
 
     def _visible_ends(self, index: int, inputs: StepInputs) -> IndexArray:
         """The step's visible_ends; without any (a step without images), each row's position + 1."""
@@ -210,10 +227,13 @@ class TVMExecutable:
         cuda_graphs: bool = False,
         image_rows: int | None = None,
         visible_ends: bool = False,
+        lora: LoRASpec | None = None,
     ) -> None:
         """`image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
         IMAGE_ROWS_INPUT), None for a text model. `visible_ends`: the step takes visible_ends
-        (VISIBLE_ENDS_INPUT); a step given none gets each row's position + 1."""
+        (VISIBLE_ENDS_INPUT); a step given none gets each row's position + 1. `lora`: the LoRA tables
+        the step takes (ir/step.py LORA_*), None for a step compiled without; a step given none runs
+        every row on the base model."""
         if device == "cuda":
             import torch  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
 
@@ -236,7 +256,8 @@ class TVMExecutable:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
         self.function = self.vm["step"]
         self.visible_ends = visible_ends
-        self._host_buffers = HostStepBuffers(visible_ends)
+        self.lora_spec = lora
+        self._host_buffers = HostStepBuffers(visible_ends, lora is not None)
         self._no_image_rows: Any = None
         if image_rows is not None:
             self._no_image_rows = _aligned_empty((0, image_rows), np.dtype(np.float32))
@@ -252,6 +273,14 @@ class TVMExecutable:
             self.held_weight_bytes[spec["source"]] = self.held_weight_bytes.get(spec["source"], 0) + size
         self._weight_args = [self._tvm_tensor(w) for w in self._weights]
         self._cache_arg: tuple[KVCache, Any] | None = None  # the last cache and its TVM view
+        # LoRA: the tables of a step given none (no slots, allocated once), and the TVM views of the
+        # tables the step in progress passes (`_lora_views`: remade only for other arrays than last time)
+        self._no_lora: LoRATables = {}
+        self._lora_views: tuple[list[Any], list[Any]] = ([], [])
+        self._lora_args: list[Any] = []
+        if lora is not None:
+            self._no_lora = lora.allocate(0, 0, device)
+            self._lora_args = self._lora_tables(self._no_lora)
         self.graphs = None
         self.staging: Any = None  # a GPU's input staging (staging.py)
         if device == "cuda":
@@ -311,8 +340,81 @@ class TVMExecutable:
                 hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
             ) from None
 
+    def with_lora(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with what a LoRA step takes where they give none (`with_lora_inputs`: slots -1, no
+        tables), their tables made the ones `call` passes from now on; `inputs` for a step without."""
+        if self.lora_spec is None:
+            return inputs
+        inputs = with_lora_inputs(inputs, self.lora_spec, self._no_lora)
+        assert inputs.lora_slots is not None and inputs.lora_tables is not None
+        self._lora_args = self._lora_tables(inputs.lora_tables)
+        slots = int(self._lora_views[0][0].shape[1])  # the tables' LS
+        if inputs.lora_slots.size:
+            low, high = int(inputs.lora_slots.min()), int(inputs.lora_slots.max())
+            if low < -1 or high >= slots:
+                raise BackendError(f"lora_slots from {low} to {high}: the tables hold {slots} (-1: none)")
+        return inputs
+
+    def _lora_tables(self, tables: Mapping[str, Any]) -> list[Any]:
+        """The TVM views of a step's LoRA tables, in the call order. The runtime writes its tables in
+        place between steps, so a view of the same array sees the new values: views are made again only
+        when `tables` holds other arrays than the last step's (held here, so their ids stay theirs)."""
+        assert self.lora_spec is not None
+        names = [prefix + m.name for m in self.lora_spec.modules for prefix in (LORA_A_PREFIX, LORA_B_PREFIX)]
+        missing = [name for name in names if name not in tables]
+        if missing:
+            raise BackendError(f"the step's LoRA tables lack {', '.join(missing)}")
+        arrays = [tables[name] for name in names]
+        held, views = self._lora_views
+        if len(held) == len(arrays) and all(a is b for a, b in zip(held, arrays, strict=True)):
+            return views
+        self._check_lora_tables(dict(zip(names, arrays, strict=True)))
+        views = [self._table_view(array) for array in arrays]
+        self._lora_views = (arrays, views)
+        return views
+
+    def _check_lora_tables(self, tables: dict[str, Any]) -> None:
+        assert self.lora_spec is not None
+        first = tables[LORA_A_PREFIX + self.lora_spec.modules[0].name]
+        slots, rank = int(first.shape[1]), int(first.shape[2])
+        expected = self.lora_spec.table_shapes(slots, rank)
+        for name, array in tables.items():
+            numpy = isinstance(array, np.ndarray)
+            where = "cpu" if numpy else str(array.device.type)
+            if where != self.device:
+                raise BackendError(f"LoRA table {name} is on {where}, the artifact runs on {self.device}")
+            if tuple(array.shape) != expected[name] or ir_dtype_of(array) != self.lora_spec.dtype:
+                raise BackendError(
+                    f"LoRA table {name} is {ir_dtype_of(array)} {list(array.shape)}, the step wants "
+                    f"{self.lora_spec.dtype} {list(expected[name])} (LoRASpec.allocate makes them)"
+                )
+            if not (array.flags.c_contiguous if numpy else array.is_contiguous()):
+                raise BackendError(f"LoRA table {name} must be contiguous")
+        if self.device != "cpu" and rank > LORA_MAX_RANK_CUDA:
+            raise BackendError(
+                f"LoRA tables of rank {rank}: the CUDA kernel computes ranks up to {LORA_MAX_RANK_CUDA}",
+                hint=f"allocate the tables with a rank of {LORA_MAX_RANK_CUDA} or less",
+            )
+
+    def _table_view(self, array: Any) -> Any:
+        """A table as the kernels take it, sharing its memory. An empty one (no slots) as a view of
+        one element: DLPack gives empty arrays strides that TVM's compact-array check refuses."""
+        if int(np.prod(array.shape)) > 0:
+            return self._tvm_tensor(array)
+        if isinstance(array, np.ndarray):
+            base = self._tvm_tensor(_aligned_empty((1,), array.dtype))
+            dtype = exportable(array)[1] or array.dtype.name
+        else:
+            import torch
+
+            base = self.ffi.from_dlpack(torch.zeros(1, dtype=array.dtype, device=array.device))
+            dtype = str(array.dtype).removeprefix("torch.")
+        return self.ffi.get_global_func("runtime.TVMTensorCreateView")(
+            base, self.ffi.Shape(tuple(array.shape)), self.ffi.dtype(dtype), 0
+        )
+
     def step_tensors(self, inputs: StepInputs) -> list[IndexArray]:
-        return step_tensors(inputs, self.visible_ends)
+        return step_tensors(inputs, self.visible_ends, self.lora_spec is not None)
 
     def upload(self, arrays: list[IndexArray]) -> list[torch.Tensor]:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
@@ -332,7 +434,8 @@ class TVMExecutable:
             if image_rows is not None:  # on the host for a CPU, uploaded already for a GPU
                 rows = host_aligned(image_rows) if self.device == "cpu" else image_rows
             packed.append(ffi.from_dlpack(rows))
-        packed += [ffi.from_dlpack(a) for a in inputs[STEP_INPUTS:]]  # visible_ends, where it takes it
+        packed += [ffi.from_dlpack(a) for a in inputs[STEP_INPUTS:]]  # visible_ends, lora_slots: where taken
+        packed += self._lora_args  # the step's LoRA tables (the empty ones unless `step` was given some)
         packed.append(ffi.from_dlpack(row_counts))
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
@@ -351,6 +454,7 @@ class TVMExecutable:
                 "kv_cache must be contiguous and 64-byte aligned (allocate it with kv_cache_spec.allocate)"
             )
         num_logits = inputs.logits_indices.shape[0]
+        inputs = self.with_lora(inputs)
         if self.device == "cuda":
             import torch
 

@@ -1,6 +1,7 @@
 """IR graph → one Relax function `step`, with one lowering per IR op. The lowerings come in families,
-one module each (ops_basic, ops_quant, ops_attention, ops_moe), that register into lowering_registry.py;
-this module imports them all and runs them over the graph with one `Lowerer` (lowerer.py).
+one module each (ops_basic, ops_quant, ops_attention, ops_moe, ops_vision, ops_lora), that register
+into lowering_registry.py; this module imports them all and runs them over the graph with one
+`Lowerer` (lowerer.py).
 
 Signature of `step` (the executable pads the token rows and logits rows to multiples of 4, so the
 register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4):
@@ -10,7 +11,11 @@ register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4
          *weights) -> logits[lq * 4, vocab]
 
 A vision-language model's step also takes image_rows[E, hidden] after kv_cache, and a model whose
-images attend both ways visible_ends[tq, 4] after those (wherever its graph has it); then come
+images attend both ways visible_ends[tq, 4] after those (wherever its graph has it); a model compiled
+with LoRA adapters then takes lora_slots[tq, 4] (each token row's adapter slot, -1 for none and for
+padding rows) and its tables, lora_a.<module>[layers, LS, LR, in] and lora_b.<module>[layers, LS, out,
+LR] for each adapted module in the order of the graph's inputs (the manifest's `lora` entry, the
+executable's LoRASpec.modules: a, then b, module by module; LS and LR symbolic); then come
 row_counts[2] (the real token and logits rows) and the weights.
 
 On the CPU a second function, `decode`, has the same inputs and params with `tq` = `lq` = 1 (at most 4
@@ -30,9 +35,11 @@ from typing import Any
 from tvm import relax, tirx
 
 from kiln.backends.base import BackendError
+from kiln.backends.lora_tables import LoRASpec
 from kiln.backends.tvm import (  # noqa: F401  (register the lowerings)
     ops_attention,
     ops_basic,
+    ops_lora,
     ops_moe,
     ops_quant,
     ops_vision,
@@ -49,6 +56,7 @@ from kiln.backends.tvm.lowerer import (
 )
 from kiln.backends.tvm.lowering_registry import LOWERINGS
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, VISIBLE_ENDS_INPUT, Graph, TensorType
+from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT
 
 DECODE_BLOCKS = 1  # tq and lq of `decode`
 ENCODE_IMAGE = "encode_image"
@@ -77,9 +85,21 @@ def _padded(tensor_type: TensorType) -> bool:
 
 
 def _in_call_order(graph: Graph) -> Graph:
-    """`graph` with visible_ends, where it has one, as its last input: the step's calling convention."""
-    inputs = sorted(graph.inputs, key=lambda value: value.name == VISIBLE_ENDS_INPUT)
-    return replace(graph, inputs=inputs)
+    """`graph` with its inputs in the step's calling convention: the step contract's inputs, kv_cache
+    and image_rows first (in the graph's order), then visible_ends, then lora_slots, then the LoRA
+    tables, a and b of each module of its LoRASpec in turn (as the executable passes them)."""
+    spec = LoRASpec.of_graph(graph)
+    modules = [m.name for m in spec.modules] if spec is not None else []
+    tables = [prefix + name for name in modules for prefix in (LORA_A_PREFIX, LORA_B_PREFIX)]
+
+    def place(name: str) -> tuple[int, int]:
+        if name == VISIBLE_ENDS_INPUT:
+            return (1, 0)
+        if name == LORA_SLOTS_INPUT:
+            return (2, 0)
+        return (3, tables.index(name)) if name in tables else (0, 0)
+
+    return replace(graph, inputs=sorted(graph.inputs, key=lambda value: place(value.name)))
 
 
 def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:

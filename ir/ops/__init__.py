@@ -1,6 +1,6 @@
 """The registered ops. Importing this package registers every op once."""
 
-from kiln.ir.ops import attention, basic, collective, fused, moe, quant
+from kiln.ir.ops import attention, basic, collective, fused, lora, moe, quant
 from kiln.ir.ops.registry import REGISTRY, OpDef, ShapeError, get_op
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "collective",
     "fused",
     "get_op",
+    "lora",
     "moe",
     "quant",
 ]

@@ -20,6 +20,7 @@ _ROW_WISE: dict[str, tuple[int, ...]] = {
     "mul": (0, 1),
     "moe": (0, 1),  # x and its router logits
     "quantized_moe": (0, 1),
+    "lora": (0, 1, 2),  # y, x and the rows' adapter slots
 }
 
 

@@ -23,6 +23,12 @@ def test_auto_picks_tvm_for_this_cpu_and_names_the_reason(smollm2_gguf_path: Pat
     assert resolve(ModelOptions(model, backend="reference")).backend == "reference"
     assert [t.name for t in resolve(ModelOptions(model, target="cpu:znver3")).targets] == ["cpu:znver3"]
     assert [t.name for t in resolve(ModelOptions(model, tensor_parallel_size=2)).targets] == ["cpu"]
+    assert plan.lora_dtype is None  # no LoRA
+    lora = resolve(ModelOptions(model, enable_lora=True))
+    assert lora.lora_dtype == (
+        "f16" if lora.targets[0].kind == "cpu" else None
+    )  # auto: half the bytes on CPUs
+    assert resolve(ModelOptions(model, enable_lora=True, backend="reference")).lora_dtype is None
 
 
 def test_auto_quantization_keeps_gguf_blocks_and_float_models_float(

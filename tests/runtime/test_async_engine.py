@@ -187,10 +187,11 @@ def _add_fails_with(error: Exception) -> type[LLMEngine]:
             params: SamplingParams | None = None,
             priority: int = 0,
             images: Seq[Any] = (),
+            lora_request: Any = None,
         ) -> None:
             if request_id == "boom":
                 raise error
-            super().add_request(request_id, prompt, params, priority, images)
+            super().add_request(request_id, prompt, params, priority, images, lora_request)
 
     return AddFails
 

@@ -314,6 +314,7 @@ def cpu_executable_of_gpu_step(program: Any, folder: Any) -> Any:
     """A TVMExecutable (the CPU runtime path) running `program`'s CUDA kernels, serialized, on the CPU."""
     from kiln.backends.base import KVCacheSpec
     from kiln.backends.kv_manifest import takes_visible_ends
+    from kiln.backends.lora_tables import LoRASpec
     from kiln.backends.tvm.executable import TVMExecutable
 
     lowered, module = gpu_step_module(program.graph)
@@ -322,6 +323,7 @@ def cpu_executable_of_gpu_step(program: Any, folder: Any) -> Any:
     params = [spec.to_dict() for spec in lowered.params]
     spec = KVCacheSpec.of_graph(program.graph)
     visible_ends = takes_visible_ends(program.graph)
+    lora = LoRASpec.of_graph(program.graph)
     return TVMExecutable(
-        library, params, program.weights, spec, "cpu", lowered.functions, visible_ends=visible_ends
+        library, params, program.weights, spec, "cpu", lowered.functions, visible_ends=visible_ends, lora=lora
     )
