@@ -183,7 +183,7 @@ def _load_lora_modules(llm: Any, args: argparse.Namespace) -> None:
     from kiln.runtime.lora import LoRAError, LoRARequest
 
     modules = args.lora_modules or []
-    if (modules or args.allow_runtime_lora_updating) and not llm.options.enable_lora:
+    if (modules or args.allow_runtime_lora_updating) and not llm.serves_lora:
         flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
         raise UsageError(f"{flag} needs --enable-lora")
     for index, module in enumerate(modules, start=1):

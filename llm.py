@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.backends.lora_tables import lora_spec
 from kiln.compiler.options import ModelOptions, OptionsError, check_artifact_options
 from kiln.frontend.pull import kiln_home
 from kiln.runtime.artifact import (
@@ -192,11 +193,16 @@ class LLM:
             vocab_size=self.artifact.vocab_size,
             draft=self.draft_artifact.executable if self.draft_artifact is not None else None,
             vision=self.artifact.vision,
-            lora=LoRAConfig(max_loras, max_lora_rank) if self.options.enable_lora else None,
-            adapter_reader=adapter_reader(self.artifact) if self.options.enable_lora else None,
+            lora=LoRAConfig(max_loras, max_lora_rank) if self.serves_lora else None,
+            adapter_reader=adapter_reader(self.artifact) if self.serves_lora else None,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether adapters can be served: asked for, or an artifact folder compiled with them."""
+        return self.options.enable_lora or lora_spec(self.artifact.executable) is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks the model runs on, if any (an exiting process stops them too)."""

@@ -130,3 +130,18 @@ def test_smollm2_with_a_random_rank_16_adapter_matches_transformers_peft(
     with_adapter = [o.outputs[0].token_ids for (_, r), o in zip(jobs, outputs, strict=True) if r is not None]
     assert with_adapter[0] == with_adapter[1] and with_adapter[2] == with_adapter[3]
     assert outputs[0].outputs[0].token_ids != outputs[2].outputs[0].token_ids  # the adapter changes them
+
+
+def test_an_artifact_compiled_with_lora_serves_adapters_without_the_flag(
+    tiny_lora_models: dict[str, TinyLoRAModel],
+) -> None:
+    model = tiny_lora_models["llama"]
+    compiled = kiln.LLM(str(model.base), backend="reference", enable_lora=True, show_progress=False)
+    folder = kiln.LLM(str(compiled.artifact.path), show_progress=False)
+    assert folder.serves_lora
+    request = kiln.LoRARequest("r4", 1, str(model.adapters["r4"]))
+    params = kiln.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in folder.generate([PROMPTS[0]], params, lora_request=request)] == [
+        o.outputs[0].token_ids for o in compiled.generate([PROMPTS[0]], params, lora_request=request)
+    ]
+    assert not kiln.LLM(str(model.base), backend="reference", show_progress=False).serves_lora

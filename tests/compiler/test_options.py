@@ -90,6 +90,7 @@ def test_the_cli_flags_and_the_llm_keywords_are_the_options_fields() -> None:
         "opt_level",
         "tensor_parallel_size",
         "enable_lora",
+        "lora_dtype",
     }
     assert ModelOptions.from_args(parser.parse_args(["m", "--enable-lora"])).enable_lora
     assert options.asked() == {"kv_cache_dtype": "fp8_e4m3", "activation_bits": 8, "group_size": 64}

@@ -51,6 +51,8 @@ def test_the_compiled_options_are_recorded_decided(tiny_hf_dir: Path) -> None:
         "activation_bits": 16,
         "opt_level": 2,
         "tensor_parallel_size": 1,
+        "enable_lora": False,
+        "lora_dtype": None,
     }
     assert "auto" not in plan.compiled().values()
     pipeline = plan.pipeline(context_len=64)

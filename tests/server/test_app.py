@@ -31,10 +31,11 @@ class _AddFailsWhenArmed(LLMEngine):
         params: SamplingParams | None = None,
         priority: int = 0,
         images: Sequence[Any] = (),
+        lora_request: Any = None,
     ) -> None:
         if self.armed:
             raise RuntimeError("injected fault admitting a request")
-        super().add_request(request_id, prompt, params, priority, images)
+        super().add_request(request_id, prompt, params, priority, images, lora_request)
 
 
 async def _until(condition: Callable[[], bool]) -> None:
