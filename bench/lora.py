@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,10 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_peers import free_port, start, stop  # bench/serve_peers.py
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_adapters(model_path: Path, out: Path, rank: int, source: Path) -> list[Path]:
@@ -58,24 +52,16 @@ def decode_rate(llm, streams: int, output_len: int, loras) -> float:  # type: ig
     return streams * output_len / (time.perf_counter() - start)
 
 
-def llama_server_rate(server: Path, gguf: Path, adapter: Path | None, output_len: int, repeats: int) -> float:
-    port = _free_port()
+def llama_server_rate(
+    server: Path, gguf: Path, adapter: Path | None, output_len: int, repeats: int, log: Path
+) -> float:
+    port = free_port()
     command = [str(server), "-m", str(gguf), "--port", str(port), "-t", "2", "-c", "1024", "-np", "1"]
     if adapter is not None:
         command += ["--lora", str(adapter)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process, _ = start(command, port, log)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {' '.join(command)}")
-            time.sleep(0.2)
         rates = []
         for repeat in range(repeats + 1):
             prompt = [(5 * i + repeat) % 4000 + 100 for i in range(PROMPT_LEN)]
@@ -91,8 +77,7 @@ def llama_server_rate(server: Path, gguf: Path, adapter: Path | None, output_len
                 rates.append(answer["timings"]["predicted_per_second"])
         return statistics.median(rates)
     finally:
-        process.terminate()
-        process.wait(30)
+        stop(process)
 
 
 def main() -> None:
@@ -148,13 +133,11 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in rates.items()}
     peers = {}
     if args.llama_server.exists():
-        gguf = model_path
-        peers["llama-server 1 stream, no adapter"] = llama_server_rate(
-            args.llama_server, gguf, None, args.output_len, args.repeats
-        )
-        peers["llama-server 1 stream, --lora"] = llama_server_rate(
-            args.llama_server, gguf, adapters[0].with_suffix(".gguf"), args.output_len, args.repeats
-        )
+        for name, adapter in (("no adapter", None), ("--lora", adapters[0].with_suffix(".gguf"))):
+            log = adapters[0].parent / f"llama-server-{'lora' if adapter else 'base'}.log"
+            peers[f"llama-server 1 stream, {name}"] = llama_server_rate(
+                args.llama_server, model_path, adapter, args.output_len, args.repeats, log
+            )
     load = os.getloadavg()
     print(
         f"\n{args.model}, rank {args.rank}, {args.output_len} tokens a stream, {PROMPT_LEN}-token prompts, "
