@@ -33,7 +33,7 @@ from kiln.backends.targets import Target
 from kiln.backends.tvm import cuda
 from kiln.backends.tvm.backend import DESCRIPTION
 from kiln.backends.tvm.cuda_build import schedule_gpu
-from kiln.backends.tvm.cuda_graphs import Captured, DecodeGraphs, decode_bucket, pad_decode, table_width
+from kiln.backends.tvm.cuda_graphs import DecodeGraphs, decode_bucket, pad_decode, table_width
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.kernels import lora as lora_kernels
 from kiln.backends.tvm.staging import InputStaging
@@ -42,6 +42,7 @@ from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops.lora import lora
 from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs
+from tests.backends.tvm.replay_stand_in import rerun_capture
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # max |tvm - reference| / max |reference|: float32, sums in other orders
@@ -343,22 +344,6 @@ def test_the_manifest_records_the_tables_and_bad_ones_are_refused(lora_f32) -> N
         ours.step(step, cache)
 
 
-class _Rerun:
-    """A CUDA graph's stand-in: replay runs the captured step again into the captured output."""
-
-    def __init__(self, executable, tensors: list[torch.Tensor], kv_cache: torch.Tensor, logits: torch.Tensor):
-        self.executable, self.tensors, self.kv_cache, self.logits = executable, tensors, kv_cache, logits
-
-    def replay(self) -> None:
-        self.logits.copy_(torch.from_dlpack(self.executable.call(self.tensors, self.kv_cache)))
-
-
-def _rerun_capture(executable, host: list[np.ndarray], kv_cache: torch.Tensor) -> Captured:
-    tensors = [torch.from_numpy(a.copy()) for a in host]
-    logits = torch.from_dlpack(executable.call(tensors, kv_cache)).clone()
-    return Captured(_Rerun(executable, tensors, kv_cache, logits), tensors, logits, kv_cache)
-
-
 def test_a_replayed_decode_reads_the_tables_written_between_replays(lora_f32) -> None:
     """A decode step padded to its bucket (padding rows: slot -1) and replayed by a CUDA graph's
     stand-in: each replay gives the plain step's logits, also after the tables were written in place;
@@ -380,7 +365,7 @@ def test_a_replayed_decode_reads_the_tables_written_between_replays(lora_f32) ->
     first = decode(0, tables)
     padded = pad_decode(first, decode_bucket(first), table_width(first.block_tables.shape[1]))
     assert padded.lora_slots.tolist() == [0, 1, 2, -1]
-    graphs = DecodeGraphs(_rerun_capture)
+    graphs = DecodeGraphs(rerun_capture)
     ours.staging = InputStaging("cpu")  # a GPU executable's upload, here into host memory
     others = _tables(ours.lora_spec, seed=5)
     for step, given in enumerate([tables, tables, others, tables]):

@@ -18,11 +18,12 @@ from kiln.backends.kv_manifest import takes_visible_ends
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import DESCRIPTION, TVMBackend
-from kiln.backends.tvm.cuda_graphs import Captured, DecodeGraphs, decode_bucket, pad_decode, table_width
+from kiln.backends.tvm.cuda_graphs import DecodeGraphs, decode_bucket, pad_decode, table_width
 from kiln.backends.tvm.staging import InputStaging
 from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs
+from tests.backends.tvm.replay_stand_in import rerun_capture
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # max |tvm - reference| / max |reference|
@@ -95,22 +96,6 @@ def test_the_artifact_records_visible_ends_and_one_without_the_record_loads(
     assert _relative_error(ours, theirs) < TOLERANCE
 
 
-class _Rerun:
-    """A CUDA graph's stand-in: replay runs the captured step again into the captured output."""
-
-    def __init__(self, executable, tensors: list[torch.Tensor], kv_cache: torch.Tensor, logits: torch.Tensor):
-        self.executable, self.tensors, self.kv_cache, self.logits = executable, tensors, kv_cache, logits
-
-    def replay(self) -> None:
-        self.logits.copy_(torch.from_dlpack(self.executable.call(self.tensors, self.kv_cache)))
-
-
-def _rerun_capture(executable, host: list[np.ndarray], kv_cache: torch.Tensor) -> Captured:
-    tensors = [torch.from_numpy(a.copy()) for a in host]
-    logits = torch.from_dlpack(executable.call(tensors, kv_cache)).clone()
-    return Captured(_Rerun(executable, tensors, kv_cache, logits), tensors, logits, kv_cache)
-
-
 def test_padded_and_replayed_decode_steps_pass_visible_ends(compiled) -> None:
     """A decode step padded to its bucket keeps each row's end (its padding rows get 1), and a graph
     captured with visible_ends is refilled with each step's (given, or each position + 1)."""
@@ -123,7 +108,7 @@ def test_padded_and_replayed_decode_steps_pass_visible_ends(compiled) -> None:
     padded = pad_decode(decode, bucket, table_width(decode.block_tables.shape[1]))
     assert padded.visible_ends is not None and padded.visible_ends.tolist() == [*decode.visible_ends, 1, 1]
     plain_cache = cache.clone()
-    graphs = DecodeGraphs(_rerun_capture)
+    graphs = DecodeGraphs(rerun_capture)
     tvm.staging = InputStaging("cpu")  # a GPU executable's upload, here into host memory
     for step in range(3):
         decode = _decode(step, ends=step != 1)
