@@ -6,7 +6,15 @@ from typing import Any
 
 from kiln.version import __version__
 
-__all__ = ["LLM", "LoRARequest", "ReasoningTokens", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "ReasoningTokens",
+    "SamplingParams",
+    "StructuredOutput",
+    "WeightSync",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from kiln.runtime.lora import LoRARequest
 
         return LoRARequest
+    if name == "WeightSync":
+        from kiln.weight_sync import WeightSync
+
+        return WeightSync
     if name in ("SamplingParams", "StructuredOutput", "ReasoningTokens"):
         from kiln.runtime import sampling_params
 

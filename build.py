@@ -83,15 +83,19 @@ def optimize(
     options: PipelineOptions,
     source: ModelSource | None = None,
     progress: Progress | None = None,
+    gguf: dict[str, QuantizedTensor] | None = None,
 ) -> Optimized:
     """Capture the model of `config` with float32 `weights`, then run the pass pipeline. With a
     `context_len` below the model's maximum the model is captured for that context (longrope then takes
-    its short factors when the context fits the original one)."""
+    its short factors when the context fits the original one). `gguf`: the GGUF blocks the gguf
+    quantization imports (by default `source`'s)."""
     start = time.perf_counter()
     if options.context_len is not None and options.context_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=options.context_len)
     captured = capture_weights(config, weights)
     options_for_passes = pass_options(options, source)
+    if gguf is not None:
+        options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=gguf)
     captured_program, blocks = shard_with_blocks(
         Program(captured.graph, captured.weights),
         options.tensor_parallel_size,

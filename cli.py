@@ -171,9 +171,21 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         media=_media_limits(args),
         allow_lora_updates=args.allow_runtime_lora_updating,
+        weights=_weight_source(llm) if args.enable_weight_updates else None,
     )
     llm.close()
     return 0
+
+
+def _weight_source(llm: Any) -> Any:
+    """Where a server with --enable-weight-updates gets new weights (refused up front where it cannot)."""
+    from kiln.refit import Refitter
+    from kiln.runtime.live_weights import WeightUpdateError
+
+    try:
+        return Refitter.serving(llm.artifact)
+    except WeightUpdateError as error:
+        raise UsageError(f"--enable-weight-updates: {error}", hint=error.hint) from None
 
 
 def _load_lora_modules(llm: Any, args: argparse.Namespace) -> None:
@@ -644,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-runtime-lora-updating",
         action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)",
+    )
+    serve.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve POST /update_weights_from_disk, /init_weight_transfer_engine, /update_weights, /pause, "
+        "/resume, /sleep and /wake_up: new weights without a recompile (docs/weight-updates.md)",
     )
     serve.set_defaults(run=_serve)
 

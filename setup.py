@@ -15,7 +15,7 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 # Not part of the installed package. Folders whose names hold a dot (.venv, .venv-peers, .git,
 # kiln.egg-info) and folders without an __init__.py are never entered by find_packages anyway.
-NOT_PACKAGES = ("tests", "bench", "scripts", "docs", "build", "dist", "tuning_logs")
+NOT_PACKAGES = ("tests", "bench", "scripts", "docs", "examples", "build", "dist", "tuning_logs")
 
 
 class BuildPy(build_py):

@@ -283,6 +283,11 @@ class Backend(Protocol):
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable: ...
 
+    def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
+        """The weights the compiled code in `folder` reads, as `compile` returned them (None: the
+        program's weights as they are); new weights are laid out by it (kiln/refit.py)."""
+        ...
+
     def check_structure(self, folder: Path, target: Target) -> list[str]:
         """Checks of the compiled files that need no device (e.g. the .so carries code for the arch):
         one line per check passed; raise BackendError on a failed one."""

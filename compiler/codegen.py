@@ -11,6 +11,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,13 @@ from kiln.backends.base import (
 )
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, mismatch
-from kiln.build import Progress, build_program, rank_programs
+from kiln.build import Progress, build_program, gguf_blocks, rank_programs
 from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import model_digest
 from kiln.errors import ModelLoadError
 from kiln.frontend.pull import resolve_model
+from kiln.frontend.source import ModelSource
 from kiln.ir import DTYPES, Program, print_graph
 from kiln.ir.deferred import materialize
 from kiln.ir.step import SequenceSlice, build_step_inputs
@@ -110,21 +112,32 @@ def _probe(
 
 
 def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tuple[str, str]:
-    """One rank's weights file, holding what each target's code reads, each tensor once: laid out for
-    its kernels where the code says how, else as the program holds it. Tensors are made and written one
-    at a time (a source's layouts one after another, so it is computed once). (path, sha256)."""
+    """One rank's weights file, holding what each target's code reads, each tensor once (`stored_weights`),
+    made and written one at a time. (path, sha256)."""
+    ordered = stored_weights(program, [code.weights for code in codes])
+    made = weight_maker(program)
+    return fmt.write_weights(root, [Entry(w.name, w.dtype, w.shape, lambda w=w: made(w)) for w in ordered])
+
+
+def stored_weights(program: Program, wanted: list[list[StoredWeight] | None]) -> list[StoredWeight]:
+    """What an artifact stores for compiled code that reads `wanted` (one list per target's code; None:
+    the program's weights as they are), each weight once, in the program's order."""
     stored: dict[str, StoredWeight] = {}
-    for code in codes:
-        wanted = code.weights
-        if wanted is None:
-            wanted = [
+    for weights in wanted:
+        if weights is None:
+            weights = [
                 StoredWeight(p.name, p.name, tuple(p.type.shape), _dtype(p.type.dtype), _as_is)
                 for p in program.graph.params
             ]  # type: ignore[arg-type]
-        for weight in wanted:
+        for weight in weights:
             stored.setdefault(weight.name, weight)
     order = {param.name: index for index, param in enumerate(program.graph.params)}
-    ordered = sorted(stored.values(), key=lambda w: (order.get(w.source, len(order)), w.name))
+    return sorted(stored.values(), key=lambda w: (order.get(w.source, len(order)), w.name))
+
+
+def weight_maker(program: Program) -> Callable[[StoredWeight], torch.Tensor]:
+    """Makes a stored weight from the program's: laid out for its kernels where the code says how. Ask
+    in `stored_weights`' order: a source's layouts one after another, so it is computed once."""
     last: dict[str, torch.Tensor] = {}
 
     def made(weight: StoredWeight) -> torch.Tensor:
@@ -133,7 +146,7 @@ def _write_weights(root: Path, program: Program, codes: list[_RankCode]) -> tupl
             last[weight.source] = materialize(program.weights[weight.source])
         return weight.lay_out(last[weight.source])
 
-    return fmt.write_weights(root, [Entry(w.name, w.dtype, w.shape, lambda w=w: made(w)) for w in ordered])
+    return made
 
 
 def _compile_encoders(
@@ -172,6 +185,14 @@ def _compile_encoders(
     for entry in entries.values():
         entry["weights"] = weights[0]
     return {**entries, "weights": weights}
+
+
+def _gguf_types(source: ModelSource, quantization: str | None) -> dict[str, Any]:
+    """A GGUF-blocks artifact's block type of each quantized weight (by HF name), so that new float
+    weights can be quantized as the file was (kiln/refit.py)."""
+    if quantization != "gguf":
+        return {}
+    return {"gguf_types": {name: blocks.ggml_type for name, blocks in sorted(gguf_blocks(source).items())}}
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,6 +316,7 @@ def compile_model(
                     "config": config.to_dict(),
                     "source_sha256": digest,
                     "model_id": model_id,
+                    **_gguf_types(source, plan.quantization),
                 },
                 "tokenizer": tokenizer_fields,
                 "compile": {**compile_fields, "passes": [p.name for p in built.passes]},

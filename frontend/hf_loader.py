@@ -43,18 +43,35 @@ def load_hf_dir(path: Path) -> ModelSource:
         vision = family.vision(path, raw_config, raw_weights, tokenizer.tokenizer_json)
         raw_weights = family.text_weights(raw_weights)
         config = with_images(config, vision)
-    weights = adapt_hf_weights(config, raw_weights)
-    if config.tie_word_embeddings:
-        # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
-        weights.pop("lm_head.weight", None)
     return ModelSource(
         name=path.resolve().name,
         path=path,
         config=config,
-        weights=weights,
+        weights=text_weights(config, raw_weights),
         tokenizer=tokenizer,
         vision=vision,
     )
+
+
+def load_hf_weights(path: Path) -> tuple[ModelConfig, dict[str, Weight]]:
+    """A text model's config and weights as `load_hf_dir` holds them, without its tokenizer (a trainer's
+    checkpoint of a served model's weights)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json", hint="pass a HF checkpoint directory")
+    if _vision_language_family(_read_json(path / "config.json")) is not None:
+        raise ModelLoadError(f"{path}: a vision-language model", hint="pass a text model's checkpoint")
+    config = read_config(path)
+    return config, text_weights(config, read_weights(path))
+
+
+def text_weights(config: ModelConfig, raw_weights: dict[str, Weight]) -> dict[str, Weight]:
+    """HF-named weights as the model definition names them."""
+    weights = adapt_hf_weights(config, raw_weights)
+    if config.tie_word_embeddings:
+        # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
+        weights.pop("lm_head.weight", None)
+    return weights
 
 
 def read_config(path: Path) -> ModelConfig:

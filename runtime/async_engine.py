@@ -11,6 +11,10 @@ every later `generate`. `shutdown` stops the engine the same way.
 
 What a server needs of the engine is here, safe to call from any thread: the settings fixed at start,
 `validate`, `compile_grammar` and `stats`; LoRA adapters are read off the loop and registered on it.
+
+Weights change and the engine sleeps only between requests (runtime/live_weights.py): `pause` holds new
+requests back (their `add` waits in `_held_adds`) until `resume`, new weights are made off the loop and
+swapped in on it once nothing is in flight.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.backends.base import Executable
 from kiln.errors import KilnError
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.live_weights import PAUSE_MODES, EngineAsleepError, PauseMode, WeightVersion
 from kiln.runtime.lora import LoRAError, LoRARequest
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
@@ -76,6 +82,7 @@ class EngineStatsSnapshot:
     prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, tokens found there
     requests_by_adapter: dict[str, int] = field(default_factory=dict)  # with LoRA: "" for the base model
+    weight_updates: dict[tuple[str, str], int] = field(default_factory=dict)  # (how, outcome) → count
 
 
 class AsyncEngine:
@@ -88,6 +95,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._on_step: list[Callable[[list[RequestOutput]], None]] = []
+        self._paused = False
+        self._held_adds: list[Callable[[], None]] = []  # requests that arrived while paused
+        self._idle_waiters: list[concurrent.futures.Future[None]] = []
+        self._weights_lock: asyncio.Lock | None = None  # one update, sleep or wake-up at a time
+        self._weight_source = "artifact"  # where the served weights came from
+        self._weight_updates: dict[tuple[str, str], int] = {}  # (how, "ok" | "failed") → count
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -153,6 +166,11 @@ class AsyncEngine:
         Raises ValueError at once (before yielding) for a prompt or parameters that cannot be served.
         """
         self._raise_if_dead()
+        if self._engine.asleep:
+            raise EngineAsleepError(
+                f"the engine sleeps (level {self._engine.asleep}): no request can start",
+                hint="POST /wake_up first",
+            )
         request_id = request_id or uuid.uuid4().hex
         if images:
             prompt, _ = self._engine.place_images(prompt, images)
@@ -168,7 +186,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
         prompt_text = prompt if isinstance(prompt, str) else None
         self._submit(
-            lambda: self._add(request_id, prompt_text, token_ids, params, priority, images, lora_request)
+            lambda: self._add_or_hold(
+                lambda: self._add(request_id, prompt_text, token_ids, params, priority, images, lora_request)
+            )
         )
         finished = False
         try:
@@ -191,6 +211,12 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
+    def _add_or_hold(self, add: Callable[[], None]) -> None:
+        if self._paused:
+            self._held_adds.append(add)
+        else:
+            add()
+
     def _add(
         self,
         request_id: str,
@@ -211,6 +237,111 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put(error if isinstance(error, ValueError) else ValueError(error.one_line()))
+
+    # -- weights, pause and sleep (runtime/live_weights.py) ------------------------------------------
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        return WeightVersion(self._engine.weight_version, self._weight_source)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def asleep(self) -> int:
+        """The sleep level: 0 awake, 1 without a KV cache, 2 without weights too."""
+        return self._engine.asleep
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Start no new request until `resume`; returns once none is in flight: `wait` lets them finish,
+        `abort` ends them now (each stream gets its last output, finish_reason "abort")."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(
+                f"pause mode {mode!r} is not supported; give one of {', '.join(PAUSE_MODES)} (keep is "
+                "refused: a kept request would hold tokens of two weight versions)"
+            )
+
+        def start_pause() -> None:
+            self._paused = True
+            if mode == "abort":
+                self._deliver(self._engine.abort_all())
+
+        await self._on_engine_thread(start_pause)
+        idle: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(lambda: self._idle_waiters.append(idle))
+        await asyncio.wrap_future(idle)
+
+    async def resume(self) -> None:
+        """Start the requests held by `pause`, and every later one."""
+
+        def release() -> None:
+            self._paused = False
+            held, self._held_adds = self._held_adds, []
+            for add in held:
+                add()
+
+        await self._on_engine_thread(release)
+
+    async def replace_weights(self, make: Callable[[], Executable], how: str, source: str) -> WeightVersion:
+        """Make an executable with the new weights (in a worker thread: the engine keeps serving), then,
+        with no request in flight (pausing in `wait` mode unless paused already), serve it; `make`'s
+        error leaves the served weights as they are. `how` counts it in `weight_updates`."""
+        async with self._lock():
+            try:
+                executable = await asyncio.to_thread(make)
+                version = await self._swap(executable, source)
+            except BaseException:
+                self.count_weight_update(how, "failed")
+                raise
+            self.count_weight_update(how, "ok")
+            return version
+
+    async def _swap(self, executable: Executable, source: str) -> WeightVersion:
+        was_paused = self._paused
+        if not was_paused:
+            await self.pause("wait")
+        try:
+
+            def swap() -> None:
+                self._engine.replace_executable(executable, self._engine.weight_version + 1)
+                self._weight_source = source
+
+            await self._on_engine_thread(swap)
+        finally:
+            if not was_paused:
+                await self.resume()
+        return self.weight_version
+
+    def count_weight_update(self, how: str, outcome: str) -> None:
+        key = (how, outcome)
+        self._weight_updates[key] = self._weight_updates.get(key, 0) + 1
+
+    async def sleep(self, level: int) -> None:
+        """Pause (`wait`), then hand back the KV cache (level 1) and the weights too (level 2); requests
+        that arrive while asleep are refused (EngineAsleepError), held ones wait for `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        async with self._lock():
+            if not self._paused:
+                await self.pause("wait")
+            await self._on_engine_thread(lambda: self._engine.sleep(level))
+
+    async def wake_up(self, reload: Callable[[], Executable]) -> None:
+        """The KV cache again and, where a level-2 sleep dropped them and no update came since, the
+        weights `reload` makes (a new weight version); then resume."""
+        async with self._lock():
+            if not self._engine.asleep:
+                return
+            if self._engine.weights_dropped:
+                await self._swap(await asyncio.to_thread(reload), "artifact")
+            await self._on_engine_thread(self._engine.wake_up)
+            await self.resume()
+
+    def _lock(self) -> asyncio.Lock:
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
 
     # -- LoRA adapters ------------------------------------------------------------------------------
 
@@ -281,12 +412,18 @@ class AsyncEngine:
             while not self._commands.empty():
                 self._commands.get()()
             if not self._engine.has_unfinished_requests():
+                self._tell_idle()
                 self._wake.wait(timeout=0.5)
                 continue
             outputs = self._engine.step()
             self._deliver(outputs)
             for listener in self._on_step:
                 listener(outputs)
+
+    def _tell_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their streams: one hand-off to each event loop, however many streams."""
@@ -308,6 +445,8 @@ class AsyncEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.put(self._dead_error())
+        for waiter in self._idle_waiters:
+            waiter.set_exception(self._dead_error())
 
     def is_idle(self) -> bool:
         return not self._engine.has_unfinished_requests() and self._commands.empty()
@@ -337,6 +476,7 @@ class AsyncEngine:
             engine.scheduler.num_prefix_cache_queried_tokens,
             engine.scheduler.num_prefix_cache_hit_tokens,
             dict(engine.adapters.requests_by_adapter) if engine.adapters is not None else {},
+            dict(self._weight_updates),
         )
 
     def _gauges(self) -> tuple[int, int, float]:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.backends.base import Executable, Logits, kv_cache_device
+from kiln.backends.base import Executable, KVCache, Logits, kv_cache_device
 from kiln.backends.lora_tables import lora_spec
-from kiln.ir.step import SequenceSlice, build_step_inputs, image_spans
+from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs, image_spans
+from kiln.runtime.block_pool import model_root_hash
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
@@ -96,6 +97,9 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
         )
+        self.model_id = model_id
+        self.weight_version = 0  # bumped by every change of weights (replace_executable)
+        self.asleep = 0  # the sleep level: 0 awake, 1 without a KV cache, 2 without weights too
         self.adapters = self._adapter_slots(lora, adapter_reader)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.adapters)
         self.requests: dict[str, Request] = {}
@@ -141,6 +145,68 @@ class LLMEngine:
                 hint="start it with --enable-lora (kiln.LLM(enable_lora=True))",
             )
         return self.adapters
+
+    # -- weights and sleep (runtime/live_weights.py) ----------------------------------------------------
+
+    def replace_executable(self, executable: Executable, version: int) -> Executable:
+        """Serve `executable` (the same compiled code with other weights) from the next step; the old one
+        is returned. Only while no request is in flight, so no sequence holds K/V of two weights; every
+        cached prefix is forgotten (its K/V came from the old weights)."""
+        self._refuse_with_requests("replace the weights")
+        _check_same_step(self.executable, executable)
+        old, self.executable = self.executable, executable
+        self.weight_version = version
+        self._forget_prefixes()
+        return old
+
+    def sleep(self, level: int) -> Executable | None:
+        """Level 1 frees the KV cache; level 2 the weights too (returned: the caller lets them go).
+        Only while no request is in flight."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._refuse_with_requests("sleep")
+        self.kv_cache = None
+        self._forget_prefixes()
+        dropped = None
+        if level == 2 and self.asleep < 2:
+            dropped, self.executable = self.executable, _WeightsDropped(self.executable)
+        self.asleep = max(self.asleep, level)
+        return dropped
+
+    def wake_up(self) -> None:
+        """A zeroed KV cache again; after level 2 the weights must have been replaced first."""
+        if isinstance(self.executable, _WeightsDropped):
+            raise RuntimeError("the weights were dropped (sleep level 2): replace them before waking up")
+        if self.kv_cache is None:
+            self.kv_cache = self.executable.kv_cache_spec.allocate(
+                self.num_blocks, self.block_size, kv_cache_device(self.executable)
+            )
+        self.asleep = 0
+
+    @property
+    def weights_dropped(self) -> bool:
+        return isinstance(self.executable, _WeightsDropped)
+
+    def _refuse_with_requests(self, what: str) -> None:
+        if self.requests:
+            raise RuntimeError(f"cannot {what} with {len(self.requests)} requests in flight")
+
+    def _forget_prefixes(self) -> None:
+        self.kv.pool.reset_prefix_cache()
+        self.kv.root_hash = model_root_hash(f"{self.model_id}#weights{self.weight_version}")
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Stop every request now; the final output of each (finish_reason "abort")."""
+        finals = []
+        for request in list(self.requests.values()):
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+            self._held.pop(request.request_id, None)
+            finals.append(self._output(request))
+        return finals
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -314,6 +380,8 @@ class LLMEngine:
         if self.adapters is not None:
             inputs = replace(inputs, lora_tables=self.adapters.tables)
         started = time.perf_counter()
+        if self.kv_cache is None:
+            raise RuntimeError("the engine is asleep: wake it up before stepping")
         logits = self.executable.step(inputs, self.kv_cache)
         self.scheduler.step_cost.observe(
             scheduled.decode_rows, scheduled.num_prefill_tokens, time.perf_counter() - started
@@ -514,6 +582,7 @@ class LLMEngine:
             finished=finished,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             num_cached_tokens=first.num_cached_tokens,
+            weight_version=self.weight_version,
         )
 
     def run_to_completion(self) -> list[RequestOutput]:
@@ -522,3 +591,26 @@ class LLMEngine:
         while self.has_unfinished_requests():
             finished += [output for output in self.step() if output.finished]
         return finished
+
+
+class _WeightsDropped:
+    """What a level-2 sleep leaves of an executable: its KV cache's layout, no weights, no step."""
+
+    def __init__(self, executable: Executable) -> None:
+        self.kv_cache_spec = executable.kv_cache_spec
+        self.kv_cache_device = kv_cache_device(executable)
+        self.lora_spec = lora_spec(executable)
+
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
+        raise RuntimeError("the weights were dropped (sleep level 2)")
+
+
+def _check_same_step(serving: Executable, new: Executable) -> None:
+    """New weights must come with the same compiled step: same KV cache, where, and LoRA tables."""
+    for what, old, now in (
+        ("KV cache", serving.kv_cache_spec, new.kv_cache_spec),
+        ("KV cache device", kv_cache_device(serving), kv_cache_device(new)),
+        ("LoRA tables", lora_spec(serving), lora_spec(new)),
+    ):
+        if old != now:
+            raise ValueError(f"the new executable's {what} ({now}) is not the served one's ({old})")

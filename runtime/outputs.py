@@ -38,3 +38,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None: no logprob for token 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    weight_version: int = 0  # the weights every token of this request came from (runtime/live_weights.py)

@@ -18,6 +18,7 @@ from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.live_weights import WeightSource
 from kiln.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kiln.server.errors import install_error_handlers, unauthorized
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -25,15 +26,19 @@ from kiln.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    InitWeightTransferRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsRequest,
 )
 from kiln.server.serving_chat import OpenAIServingChat
 from kiln.server.serving_completions import OpenAIServingCompletion
 from kiln.server.serving_engine import Admission, MediaLimits
 from kiln.server.serving_lora import OpenAIServingLoRA
 from kiln.server.serving_tokenize import OpenAIServingTokenization
+from kiln.server.serving_weights import ServingWeights
 
 UNPROTECTED_PATHS = frozenset({"/health", "/metrics"})
 
@@ -59,6 +64,8 @@ async def metrics(request: Request) -> Response:
 async def list_models(request: Request) -> JSONResponse:
     state = _state(request)
     models = state.tokenization.models()
+    version = state.engine.weight_version
+    models.data[0].weight_version, models.data[0].weight_source = version.number, version.source
     models.data += state.lora.cards(state.engine.max_model_len)
     return JSONResponse(models.model_dump())
 
@@ -75,6 +82,57 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
 @lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
     return PlainTextResponse(await _state(request).lora.unload(body))
+
+
+# only with --enable-weight-updates (create_app's weights)
+weights_router = APIRouter()
+
+
+@weights_router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, request: Request) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.update_from_disk(body))
+
+
+@weights_router.post("/init_weight_transfer_engine")
+@weights_router.post("/init_weight_transfer")
+async def init_weight_transfer(body: InitWeightTransferRequest, request: Request) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.init_transfer(body))
+
+
+@weights_router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.update_from_trainer(body))
+
+
+@weights_router.post("/pause")
+async def pause(request: Request, mode: str = "wait") -> JSONResponse:
+    return JSONResponse(await _state(request).weights.pause(mode))
+
+
+@weights_router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.resume())
+
+
+@weights_router.get("/is_paused")
+async def is_paused(request: Request) -> JSONResponse:
+    return JSONResponse({"is_paused": _state(request).engine.paused})
+
+
+@weights_router.post("/sleep")
+async def sleep(request: Request, level: int = 1) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.sleep(level))
+
+
+@weights_router.post("/wake_up")
+async def wake_up(request: Request) -> JSONResponse:
+    return JSONResponse(await _state(request).weights.wake_up())
+
+
+@weights_router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> JSONResponse:
+    level = _state(request).engine.asleep
+    return JSONResponse({"is_sleeping": bool(level), "level": level})
 
 
 @router.post("/v1/completions")
@@ -132,12 +190,14 @@ def create_app(
     reasoning_parser: str | None = None,
     media: MediaLimits | None = None,
     allow_lora_updates: bool = False,
+    weights: WeightSource | None = None,
 ) -> FastAPI:
     """The server for one engine. The caller owns the engine (and shuts it down after the server).
 
     `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len; `media`: where a
     request's images may come from and how many a prompt may hold (None: data: URLs, 8 images);
-    `allow_lora_updates`: the routes that load and unload LoRA adapters at run time.
+    `allow_lora_updates`: the routes that load and unload LoRA adapters at run time; `weights`: where
+    new weights come from (kiln.refit.Refitter): the routes that update them, pause and sleep.
     """
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -162,6 +222,9 @@ def create_app(
     app.include_router(router)
     if allow_lora_updates:
         app.include_router(lora_router)
+    if weights is not None:
+        state.weights = ServingWeights(engine, weights)
+        app.include_router(weights_router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:  # added last, so it runs first

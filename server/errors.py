@@ -112,6 +112,10 @@ def engine_unavailable(message: str) -> APIError:
     return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, SERVER_ERROR, code="engine_dead")
 
 
+def engine_asleep(message: str) -> APIError:
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, SERVER_ERROR, code="engine_asleep")
+
+
 def validation_param(loc: Sequence[str | int]) -> str | None:
     """`('body', 'messages', 0, 'role')` → `messages[0].role`; union tags and model names are skipped."""
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)

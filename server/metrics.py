@@ -83,6 +83,26 @@ class _EngineCollector(Collector):
             "Sequences preempted (to recompute later) for lack of KV blocks.",
             stats.num_preemptions,
         )
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:weight_version",
+            "The served weights' version (0: the artifact's; +1 each update).",
+            self.engine.weight_version.number,
+        )
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:sleep_level",
+            "0 awake; 1 without KV cache; 2 without weights too.",
+            self.engine.asleep,
+        )
+        updates = CounterMetricFamily(
+            "kiln:weight_updates",
+            "Weight updates, by how they came (disk, distributed) and outcome (ok, failed).",
+            labels=["model_name", "source", "outcome"],
+        )
+        for (how, outcome), count in sorted(stats.weight_updates.items()):
+            updates.add_metric([self.model_name, how, outcome], float(count))
+        yield updates
         if self.engine.serves_lora:
             by_adapter = CounterMetricFamily(
                 "kiln:lora_requests",

@@ -215,6 +215,8 @@ class ModelCard(ResponseModel):
     parent: str | None = None
     max_model_len: int | None = None
     input_modalities: list[str] = Field(default_factory=lambda: ["text"])  # "image" for a vision model
+    weight_version: int | None = None  # the served weights' version (the base model's card)
+    weight_source: str | None = None  # where they came from: artifact, disk:<path>, distributed
 
 
 class ModelList(ResponseModel):
@@ -228,6 +230,40 @@ class ModelList(ResponseModel):
 class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+
+
+class UpdateWeightsFromDiskRequest(RequestModel):
+    """SGLang's body."""
+
+    model_path: str = Field(min_length=1)
+
+
+class WeightTransferInit(RequestModel):
+    master_address: str = Field(min_length=1)
+    master_port: int
+    rank_offset: int = 1  # this server's rank (the trainer is rank 0)
+    world_size: int = 2
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(default=120.0, gt=0)
+
+
+class InitWeightTransferRequest(RequestModel):
+    """vLLM's body: {"init_info": {...}}."""
+
+    init_info: WeightTransferInit
+
+
+class WeightUpdateInfo(RequestModel):
+    names: list[str] = Field(min_length=1)
+    dtype_names: list[Literal["float32", "float16", "bfloat16"]]
+    shapes: list[list[int]]
+
+
+class UpdateWeightsRequest(RequestModel):
+    """vLLM's body: {"update_info": {"names", "dtype_names", "shapes"}}; the trainer then broadcasts the
+    tensors in that order."""
+
+    update_info: WeightUpdateInfo
 
 
 class UnloadLoRAAdapterRequest(RequestModel):

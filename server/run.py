@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.live_weights import WeightSource
 from kiln.server.app import create_app
 from kiln.server.serving_engine import MediaLimits
 
@@ -43,9 +44,10 @@ def run_server(
     reasoning_parser: str | None = None,
     media: MediaLimits | None = None,
     allow_lora_updates: bool = False,
+    weights: WeightSource | None = None,
 ) -> None:
     """`max_request_bytes` None: see `create_app`; `auto_tool_parser`: the tool-call parser of
-    tool_choice "auto" (None: auto is refused); `allow_lora_updates`: see `create_app`."""
+    tool_choice "auto" (None: auto is refused); `allow_lora_updates`, `weights`: see `create_app`."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
     app = create_app(
@@ -58,6 +60,7 @@ def run_server(
         reasoning_parser=reasoning_parser,
         media=media,
         allow_lora_updates=allow_lora_updates,
+        weights=weights,
     )
     config = uvicorn.Config(
         app,

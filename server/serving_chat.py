@@ -49,7 +49,9 @@ from kiln.server.serving_engine import (
     finite,
     sse,
     sse_errors,
+    started,
     until_disconnect,
+    weight_version_header,
 )
 from kiln.server.tool_parsers import ParsedCall, ToolCallStream
 from kiln.server.tools import ToolPlan, call_id, plan
@@ -74,9 +76,12 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.generate(prepared, request_id)
         created = int(time.time())
         if request.stream:
+            firsts, (stream,) = await started([stream], hold)
             body = sse_errors(self._stream(request, tools, parser, request_id, created, stream), hold)
             hold.release_with(body)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=weight_version_header(firsts)
+            )
         try:
             (final,) = await until_disconnect(raw_request, final_outputs([stream]))
         except ClientDisconnected:
@@ -85,7 +90,10 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(error) from None
         finally:
             hold.release()
-        return JSONResponse(self._response(request, tools, parser, request_id, created, final).model_dump())
+        return JSONResponse(
+            self._response(request, tools, parser, request_id, created, final).model_dump(),
+            headers=weight_version_header([final]),
+        )
 
     def _prepare(self, request: ChatCompletionRequest) -> _ChatPrepared:
         """Templated, tokenized and checked; run off the event loop (long messages take a while)."""

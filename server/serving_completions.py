@@ -35,7 +35,9 @@ from kiln.server.serving_engine import (
     merge,
     sse,
     sse_errors,
+    started,
     until_disconnect,
+    weight_version_header,
 )
 
 
@@ -53,9 +55,12 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = [self.generate(p.prepared, f"{request_id}-{i}") for i, p in enumerate(prompts)]
         created = int(time.time())
         if request.stream:
+            firsts, streams = await started(streams, hold)
             body = sse_errors(self._stream(request, request_id, created, prompts, streams), hold)
             hold.release_with(body)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=weight_version_header(firsts)
+            )
         try:
             finals = await until_disconnect(raw_request, final_outputs(streams))
         except ClientDisconnected:
@@ -64,7 +69,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_error(error) from None
         finally:
             hold.release()
-        return JSONResponse(self._response(request, request_id, created, prompts, finals).model_dump())
+        return JSONResponse(
+            self._response(request, request_id, created, prompts, finals).model_dump(),
+            headers=weight_version_header(finals),
+        )
 
     def _prepare(self, request: CompletionRequest) -> list[_Prompt]:
         """Tokenized and checked; run off the event loop (tokenizing a long prompt takes a while)."""

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, EngineDeadError
 from kiln.runtime.image_processing import ImageProcessingError
+from kiln.runtime.live_weights import EngineAsleepError
 from kiln.runtime.lora import LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
@@ -35,6 +36,7 @@ from kiln.runtime.vision import ImageEmbedding, place_images
 from kiln.server.errors import (
     APIError,
     bad_request,
+    engine_asleep,
     engine_unavailable,
     from_value_error,
     not_found_model,
@@ -426,9 +428,57 @@ def engine_error(error: BaseException) -> APIError:
         return error
     if isinstance(error, EngineDeadError):
         return engine_unavailable(str(error))
+    if isinstance(error, EngineAsleepError):
+        return engine_asleep(error.one_line())
     if isinstance(error, ValueError):
         return from_value_error(error)
     raise error
+
+
+WEIGHT_VERSION_HEADER = "Kiln-Weight-Version"
+
+
+def weight_version_header(outputs: Sequence[RequestOutput]) -> dict[str, str]:
+    """The header naming the weights a response's tokens came from (several, comma-separated, only where
+    one request's prompts ran on both sides of an update)."""
+    versions = sorted({output.weight_version for output in outputs})
+    return {WEIGHT_VERSION_HEADER: ",".join(str(v) for v in versions)}
+
+
+async def started(
+    streams: Sequence[AsyncGenerator[RequestOutput, None]], hold: Hold
+) -> tuple[list[RequestOutput], list[AsyncGenerator[RequestOutput, None]]]:
+    """Each stream's first output (its weight version is then fixed: weights change only between
+    requests) and the streams from that output on; an error before it is the request's (4xx/503), the
+    seats released."""
+
+    async def first_of(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            raise RuntimeError("the engine ended a request without output") from None
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(first_of(stream)) for stream in streams]
+    except BaseExceptionGroup as failed:
+        hold.release()
+        for stream in streams:
+            await stream.aclose()
+        raise engine_error(failed.exceptions[0]) from None
+    firsts = [task.result() for task in tasks]
+    return firsts, [_from(first, stream) for first, stream in zip(firsts, streams, strict=True)]
+
+
+async def _from(
+    first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    try:
+        yield first
+        async for output in stream:
+            yield output
+    finally:
+        await stream.aclose()
 
 
 def finite(logprob: float | None) -> float:

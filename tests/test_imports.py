@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # In the repository's folder but not in the package (setup.py keeps them out of the wheel too).
-NOT_PACKAGE = {"tests", "bench", "scripts", "docs", "build", "dist", "tuning_logs", "setup.py"}
+NOT_PACKAGE = {"tests", "bench", "scripts", "docs", "examples", "build", "dist", "tuning_logs", "setup.py"}
 EVERY_LAYER = ("errors", "ir", "frontend", "passes", "backends", "runtime", "server", "root")
 
 
@@ -29,7 +29,18 @@ LAYERS: dict[str, Layer] = {
     "runtime": Layer(members=("runtime",), may_import=("ir", "backends", "errors")),
     "server": Layer(members=("server",), may_import=("runtime", "ir", "errors")),
     "root": Layer(
-        members=("__init__", "cli", "build", "compiler", "llm", "bundle", "console", "version"),
+        members=(
+            "__init__",
+            "cli",
+            "build",
+            "compiler",
+            "llm",
+            "bundle",
+            "console",
+            "version",
+            "refit",
+            "weight_sync",
+        ),
         may_import=EVERY_LAYER,
     ),
 }

@@ -14,6 +14,7 @@ from kiln.backends.base import (
     CompileSettings,
     Executable,
     ImageEncoder,
+    StoredWeight,
     leave_cores_to_compiled_code,
 )
 from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
@@ -82,6 +83,9 @@ class OnnxRuntimeBackend:
         from kiln.backends.onnxruntime.encoder import OrtImageEncoder
 
         return OrtImageEncoder(folder, torch_weights(weights))
+
+    def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
+        return None  # the program's weights as they are
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         model, meta = read_lowered(folder)

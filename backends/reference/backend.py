@@ -15,6 +15,7 @@ from kiln.backends.base import (
     Executable,
     ImageEncoder,
     Refusal,
+    StoredWeight,
     integer_dot_refusal,
 )
 from kiln.backends.reference.executable import ReferenceExecutable, ReferenceImageEncoder
@@ -67,6 +68,9 @@ class ReferenceBackend:
 
     def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
         return ReferenceImageEncoder(_read_graph(folder), torch_weights(weights))
+
+    def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
+        return None  # the program's weights as they are
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         return ReferenceExecutable(_read_graph(folder), torch_weights(weights))

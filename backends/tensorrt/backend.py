@@ -20,6 +20,7 @@ from kiln.backends.base import (
     DeviceRequiredError,
     Executable,
     ImageEncoder,
+    StoredWeight,
 )
 from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
@@ -95,6 +96,9 @@ class TensorRTBackend:
 
     def load_encoder(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> ImageEncoder:
         raise BackendError("tensorrt: image encoders are not built by this backend yet")
+
+    def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
+        return None  # the program's weights as they are
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         reason = mismatch(target)

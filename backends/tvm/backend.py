@@ -24,6 +24,7 @@ from kiln.backends.base import (
     Hardware,
     ImageEncoder,
     Refusal,
+    StoredWeight,
     integer_dot_refusal,
     leave_cores_to_compiled_code,
 )
@@ -173,6 +174,11 @@ class TVMBackend:
                 hint="compile the model again with this version of kiln",
             )
         return description
+
+    def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
+        from kiln.backends.tvm.layouts import stored_weights
+
+        return stored_weights(self._description(folder)["params"])
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
         description = self._description(folder)

@@ -1,0 +1,239 @@
+"""New weights for a served artifact: the same compiled code, other weights (runtime/live_weights.py).
+
+Weights are run-time inputs of every executable (`Backend.load(folder, weights, target)`), so new weights
+need no compile: float weights by their HF names go through the artifact's own pipeline (capture and
+passes with the manifest's compile options: the same fusions, the same int8/int4 quantizers, the same
+GGUF block types), are laid out as the artifact's code reads them (`Backend.stored_weights`), and load
+into a new executable of the same compiled files. The engine swaps it in between requests.
+
+GGUF-blocks artifacts: a GGUF file of the same block types gives its blocks as they are; float weights
+are quantized to each tensor's block type with gguf-py's quantizers (llama.cpp's own Python port of its
+reference quantizers, for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0); a K-quant (Q4_K, Q6_K, ...) is refused,
+named: gguf-py has no quantizer for it, and a different one would make other blocks than llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kiln.backends.base import Executable
+from kiln.backends.registry import get_backend
+from kiln.build import optimize
+from kiln.compiler.codegen import stored_weights, weight_maker
+from kiln.compiler.options import PipelineOptions
+from kiln.errors import KilnError
+from kiln.frontend.config import ModelConfig
+from kiln.frontend.hf_loader import load_hf_weights
+from kiln.frontend.load import load_model
+from kiln.frontend.models import adapt_hf_weights
+from kiln.frontend.source import Weight, float32
+from kiln.ir.deferred import materialize
+from kiln.ir.gguf_blocks import QuantizedTensor
+from kiln.runtime.artifact import LoadedArtifact, load_ranks, rank_entries
+from kiln.runtime.live_weights import WeightUpdateError
+
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GGUF_QUANTIZERS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # gguf-py quantizes these
+
+
+class Refitter:
+    """Makes executables of `artifact`'s compiled code for its target with new weights (a WeightSource)."""
+
+    def __init__(self, artifact: LoadedArtifact) -> None:
+        manifest = artifact.manifest
+        self.folder = artifact.path
+        self.target = artifact.target
+        self.entry = artifact.target_entry
+        self.ranks = rank_entries(self.entry)
+        self.config = ModelConfig.from_dict(manifest["model"]["config"])
+        compiled = manifest["compile"]
+        names = {f.name for f in dataclasses.fields(PipelineOptions)} - {"context_len"}
+        self.options = PipelineOptions(
+            **{name: compiled[name] for name in names if name in compiled},
+            context_len=int(manifest["limits"]["max_model_len"]),
+        )
+        self.gguf_types: dict[str, str] | None = manifest["model"].get("gguf_types")
+        self.has_vision = "vision" in manifest
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    @classmethod
+    def serving(cls, artifact: LoadedArtifact) -> Refitter:
+        """A Refitter for a server, refused now where no update could ever be served."""
+        refitter = cls(artifact)
+        refitter._refuse_what_cannot_refit()
+        return refitter
+
+    # -- WeightSource ----------------------------------------------------------------------------------
+
+    def from_path(self, path: str) -> Executable:
+        self._refuse_what_cannot_refit()
+        try:
+            config, weights = self._read(path)
+        except KilnError as error:
+            raise WeightUpdateError(f"{path}: {error}", hint=error.hint) from None
+        if config.architecture != self.config.architecture:
+            raise WeightUpdateError(
+                f"{path}: a {config.architecture} model; this server serves {self.config.architecture}",
+                hint="give weights of the served model (same architecture, names and shapes)",
+            )
+        self._check(weights, f"{path}: ")
+        given = {name: w for name, w in weights.items() if isinstance(w, QuantizedTensor)}
+        blocks = self._blocks(weights, given, f"{path}: ") if self.options.quantization == "gguf" else {}
+        return self._executable({name: float32(w) for name, w in weights.items()}, blocks)
+
+    @staticmethod
+    def _read(path: str) -> tuple[ModelConfig, dict[str, Weight]]:
+        """An HF checkpoint folder (its tokenizer not needed) or a GGUF: config and weights."""
+        if (Path(path) / "config.json").is_file():
+            return load_hf_weights(Path(path))
+        source = load_model(path)
+        if source.vision is not None:
+            raise WeightUpdateError(f"{path}: a vision-language model; this server serves a text model")
+        return source.config, source.weights
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable:
+        self._refuse_what_cannot_refit()
+        weights = self.adapted(tensors)
+        self._check(weights, "")
+        blocks = self._blocks(weights, {}, "") if self.options.quantization == "gguf" else {}
+        return self._executable({name: float32(w) for name, w in weights.items()}, blocks)
+
+    def from_artifact(self) -> Executable:
+        return load_ranks(self.entry["backend"], self.target, self.folder, self.ranks)
+
+    def check_tensor(self, name: str, dtype: str, shape: list[int]) -> None:
+        if dtype not in FLOAT_DTYPES:
+            raise WeightUpdateError(
+                f"tensor {name}: dtype {dtype}; new weights are floats ({', '.join(FLOAT_DTYPES)})",
+                hint="send the trainer's float parameters; the server quantizes them as the artifact was",
+            )
+        adapted = self.adapted({name: torch.empty(shape, dtype=FLOAT_DTYPES[dtype], device="meta")})
+        expected = self.shapes()
+        for adapted_name, tensor in adapted.items():
+            want = expected.get(adapted_name)
+            if want is None:
+                raise WeightUpdateError(
+                    f"tensor {name}: the model has no weight of that name",
+                    hint=f"names are the HF model's, e.g. {next(iter(expected))}",
+                )
+            if tuple(tensor.shape) != want:
+                raise WeightUpdateError(
+                    f"tensor {name}: shape {list(shape)}, the model's is {list(want)}",
+                    hint="send weights of the served model's shapes",
+                )
+
+    # -- the pipeline ----------------------------------------------------------------------------------
+
+    def adapted(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """HF-named tensors as the model definition names them (as the HF loader does)."""
+        weights = adapt_hf_weights(self.config, dict(tensors))
+        if self.config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight of the model, by name, and its shape."""
+        if self._shapes is None:
+            with torch.device("meta"):
+                from kiln.frontend.models import model_class
+
+                model = model_class(self.config)(self.config)
+            self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        return self._shapes
+
+    def _refuse_what_cannot_refit(self) -> None:
+        if len(self.ranks) > 1:
+            raise WeightUpdateError(
+                "weight updates of a tensor-parallel artifact are not supported yet",
+                hint="serve an artifact compiled without --tensor-parallel-size",
+            )
+        if self.has_vision:
+            raise WeightUpdateError("weight updates of a vision-language model are not supported yet")
+        if self.entry["backend"] == "tensorrt":
+            raise WeightUpdateError(
+                "TensorRT engines hold their weights: they cannot be replaced without a rebuild",
+                hint="serve the model with --backend tvm or onnxruntime to update weights",
+            )
+
+    def _check(self, weights: Mapping[str, Weight], where: str) -> None:
+        expected = self.shapes()
+        unknown = sorted(set(weights) - set(expected))
+        if unknown:
+            raise WeightUpdateError(
+                f"{where}tensor {unknown[0]}: the model has no weight of that name"
+                + (f" ({len(unknown)} such tensors)" if len(unknown) > 1 else ""),
+                hint=f"names are the HF model's, e.g. {next(iter(expected))}",
+            )
+        missing = sorted(set(expected) - set(weights))
+        if missing:
+            raise WeightUpdateError(
+                f"{where}tensor {missing[0]} is missing ({len(missing)} of the model's {len(expected)} "
+                "weights are); an update replaces every weight",
+                hint="send all of the model's parameters",
+            )
+        for name, weight in weights.items():
+            if tuple(weight.shape) != expected[name]:
+                raise WeightUpdateError(
+                    f"{where}tensor {name}: shape {list(weight.shape)}, the model's is "
+                    f"{list(expected[name])}",
+                    hint="send weights of the served model's shapes",
+                )
+            dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+            if not dtype.is_floating_point:
+                raise WeightUpdateError(f"{where}tensor {name}: dtype {dtype} is no float")
+
+    def _blocks(
+        self, weights: Mapping[str, Weight], given: dict[str, QuantizedTensor], where: str
+    ) -> dict[str, QuantizedTensor]:
+        """The GGUF blocks of every weight the artifact keeps as blocks: `given` ones where they are of the
+        artifact's type, float ones quantized to it."""
+        if self.gguf_types is None:
+            raise WeightUpdateError(
+                "this GGUF-blocks artifact was compiled before kiln recorded its block types",
+                hint="compile the model again with this version of kiln",
+            )
+        blocks = {}
+        for name, ggml_type in self.gguf_types.items():
+            weight = weights[name]
+            block = given.get(name)
+            if block is not None:
+                if block.ggml_type != ggml_type:
+                    raise WeightUpdateError(
+                        f"{where}tensor {name}: {block.ggml_type} blocks, the artifact's are {ggml_type}",
+                        hint="quantize the new weights as the served GGUF was, or send float weights",
+                    )
+                blocks[name] = block
+                continue
+            if ggml_type not in GGUF_QUANTIZERS:
+                raise WeightUpdateError(
+                    f"{where}tensor {name}: the artifact keeps it as {ggml_type} blocks, and kiln has no "
+                    f"{ggml_type} quantizer identical to llama.cpp's (it has "
+                    f"{', '.join(sorted(GGUF_QUANTIZERS))})",
+                    hint="send a GGUF quantized by llama.cpp (POST /update_weights_from_disk), or serve an "
+                    "artifact compiled with --quantization int8, int4 or none",
+                )
+            blocks[name] = quantize_blocks(weight, ggml_type)
+        return blocks
+
+    def _executable(self, weights: dict[str, Any], blocks: dict[str, QuantizedTensor]) -> Executable:
+        program = optimize(self.config, weights, self.options, gguf=blocks).program
+        backend = get_backend(self.entry["backend"])
+        code = self.folder / self.ranks[0]["folder"]
+        made = weight_maker(program)
+        stored = {w.name: made(w) for w in stored_weights(program, [backend.stored_weights(code)])}
+        return backend.load(code, stored, self.target)
+
+
+def quantize_blocks(weight: Weight, ggml_type: str) -> QuantizedTensor:
+    """A float weight [rows, k] as GGUF blocks of `ggml_type`, quantized by gguf-py (llama.cpp's)."""
+    values = materialize(float32(weight)).detach().contiguous()
+    rows = values.reshape(values.shape[0], -1).numpy()
+    quantized = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[ggml_type])
+    return QuantizedTensor(ggml_type, tuple(values.shape), np.ascontiguousarray(quantized, dtype=np.uint8))
