@@ -178,14 +178,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _weight_source(llm: Any) -> Any:
-    """Where a server with --enable-weight-updates gets new weights (refused up front where it cannot)."""
-    from kiln.refit import Refitter
-    from kiln.runtime.live_weights import WeightUpdateError
+    """Where a server with --enable-weight-updates gets new weights (refused up front where it cannot);
+    the pipeline it needs is imported on the first update."""
+    from kiln.runtime.live_weights import OnFirstUse, WeightUpdateError, check_refittable
 
     try:
-        return Refitter.serving(llm.artifact)
+        check_refittable(llm.artifact.manifest, llm.artifact.target_entry)
     except WeightUpdateError as error:
         raise UsageError(f"--enable-weight-updates: {error}", hint=error.hint) from None
+
+    def refitter() -> Any:
+        from kiln.refit import Refitter
+
+        return Refitter(llm.artifact)
+
+    return OnFirstUse(refitter)
 
 
 def _load_lora_modules(llm: Any, args: argparse.Namespace) -> None:

@@ -37,7 +37,7 @@ from kiln.frontend.source import Weight, float32
 from kiln.ir.deferred import materialize
 from kiln.ir.gguf_blocks import QuantizedTensor
 from kiln.runtime.artifact import LoadedArtifact, load_ranks, rank_entries
-from kiln.runtime.live_weights import WeightUpdateError
+from kiln.runtime.live_weights import WeightUpdateError, check_refittable
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GGUF_QUANTIZERS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # gguf-py quantizes these
@@ -47,7 +47,7 @@ class Refitter:
     """Makes executables of `artifact`'s compiled code for its target with new weights (a WeightSource)."""
 
     def __init__(self, artifact: LoadedArtifact) -> None:
-        manifest = artifact.manifest
+        self.manifest = manifest = artifact.manifest
         self.folder = artifact.path
         self.target = artifact.target
         self.entry = artifact.target_entry
@@ -60,15 +60,7 @@ class Refitter:
             context_len=int(manifest["limits"]["max_model_len"]),
         )
         self.gguf_types: dict[str, str] | None = manifest["model"].get("gguf_types")
-        self.has_vision = "vision" in manifest
         self._shapes: dict[str, tuple[int, ...]] | None = None
-
-    @classmethod
-    def serving(cls, artifact: LoadedArtifact) -> Refitter:
-        """A Refitter for a server, refused now where no update could ever be served."""
-        refitter = cls(artifact)
-        refitter._refuse_what_cannot_refit()
-        return refitter
 
     # -- WeightSource ----------------------------------------------------------------------------------
 
@@ -149,18 +141,7 @@ class Refitter:
         return self._shapes
 
     def _refuse_what_cannot_refit(self) -> None:
-        if len(self.ranks) > 1:
-            raise WeightUpdateError(
-                "weight updates of a tensor-parallel artifact are not supported yet",
-                hint="serve an artifact compiled without --tensor-parallel-size",
-            )
-        if self.has_vision:
-            raise WeightUpdateError("weight updates of a vision-language model are not supported yet")
-        if self.entry["backend"] == "tensorrt":
-            raise WeightUpdateError(
-                "TensorRT engines hold their weights: they cannot be replaced without a rebuild",
-                hint="serve the model with --backend tvm or onnxruntime to update weights",
-            )
+        check_refittable(self.manifest, self.entry)
 
     def _check(self, weights: Mapping[str, Weight], where: str) -> None:
         expected = self.shapes()

@@ -246,6 +246,14 @@ def held_weight_bytes(executable: Executable) -> dict[str, int] | None:
     return dict(held) if held is not None else None
 
 
+def release_kv_cache(executable: Executable) -> None:
+    """Have `executable` drop what it keeps of the last KV cache it stepped with (its
+    `release_kv_cache`; TVM keeps the cache's view), so that the engine can free the cache."""
+    release = getattr(executable, "release_kv_cache", None)
+    if release is not None:
+        release()
+
+
 def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> KVCache:
     """A zeroed KV cache of `num_blocks` blocks for `executable`, where it reads it."""
     return executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))

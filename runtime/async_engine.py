@@ -33,7 +33,13 @@ from typing import Any
 from kiln.backends.base import Executable
 from kiln.errors import KilnError
 from kiln.runtime.engine import LLMEngine
-from kiln.runtime.live_weights import PAUSE_MODES, EngineAsleepError, PauseMode, WeightVersion
+from kiln.runtime.live_weights import (
+    PAUSE_MODES,
+    EngineAsleepError,
+    PauseMode,
+    WeightVersion,
+    return_freed_memory,
+)
 from kiln.runtime.lora import LoRAError, LoRARequest
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
@@ -293,6 +299,7 @@ class AsyncEngine:
                 version = await self._swap(executable, source)
             except BaseException:
                 self.count_weight_update(how, "failed")
+                return_freed_memory()  # what was made of the refused weights
                 raise
             self.count_weight_update(how, "ok")
             return version
@@ -306,6 +313,7 @@ class AsyncEngine:
             def swap() -> None:
                 self._engine.replace_executable(executable, self._engine.weight_version + 1)
                 self._weight_source = source
+                return_freed_memory()  # the old executable and the mapped files it was made from
 
             await self._on_engine_thread(swap)
         finally:
@@ -325,7 +333,12 @@ class AsyncEngine:
         async with self._lock():
             if not self._paused:
                 await self.pause("wait")
-            await self._on_engine_thread(lambda: self._engine.sleep(level))
+
+            def hand_back() -> None:
+                self._engine.sleep(level)
+                return_freed_memory()  # the KV cache (and the weights)
+
+            await self._on_engine_thread(hand_back)
 
     async def wake_up(self, reload: Callable[[], Executable]) -> None:
         """The KV cache again and, where a level-2 sleep dropped them and no update came since, the

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.backends.base import Executable, KVCache, Logits, kv_cache_device
+from kiln.backends.base import Executable, KVCache, Logits, kv_cache_device, release_kv_cache
 from kiln.backends.lora_tables import lora_spec
 from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs, image_spans
 from kiln.runtime.block_pool import model_root_hash
@@ -165,6 +165,7 @@ class LLMEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._refuse_with_requests("sleep")
+        release_kv_cache(self.executable)
         self.kv_cache = None
         self._forget_prefixes()
         dropped = None

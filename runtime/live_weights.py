@@ -9,8 +9,12 @@ flight finish on the old weights, `abort` ends them at once (finish_reason "abor
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kiln.errors import KilnError
 
@@ -59,3 +63,60 @@ class WeightSource(Protocol):
     def check_tensor(self, name: str, dtype: str, shape: list[int]) -> None:
         """A WeightUpdateError for a tensor the model has not, or not in this shape or dtype."""
         ...
+
+
+def return_freed_memory() -> None:
+    """Collect cycles (an old executable, the mapped files new weights were made from), then hand the
+    heap's free pages back to the system: glibc's arenas keep freed memory otherwise (measured: a
+    SmolLM2 server grew by ~170 MiB an update without this, and stays flat with it)."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def check_refittable(manifest: dict[str, Any], entry: dict[str, Any]) -> None:
+    """A WeightUpdateError for an artifact (its manifest, the served target's entry) whose weights
+    cannot be replaced."""
+    if len(entry.get("ranks") or []) > 1:
+        raise WeightUpdateError(
+            "weight updates of a tensor-parallel artifact are not supported yet",
+            hint="serve an artifact compiled without --tensor-parallel-size",
+        )
+    if "vision" in manifest:
+        raise WeightUpdateError("weight updates of a vision-language model are not supported yet")
+    if entry["backend"] == "tensorrt":
+        raise WeightUpdateError(
+            "TensorRT engines hold their weights: they cannot be replaced without a rebuild",
+            hint="serve the model with --backend tvm or onnxruntime to update weights",
+        )
+
+
+class OnFirstUse:
+    """A WeightSource made when first asked (kiln.refit imports torch and the compile pipeline: a
+    server that never updates does not pay for them)."""
+
+    def __init__(self, make: Callable[[], WeightSource]) -> None:
+        self._make = make
+        self._source: WeightSource | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> WeightSource:
+        with self._lock:
+            if self._source is None:
+                self._source = self._make()
+            return self._source
+
+    def from_path(self, path: str) -> Executable:
+        return self._get().from_path(path)
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable:
+        return self._get().from_tensors(tensors)
+
+    def from_artifact(self) -> Executable:
+        return self._get().from_artifact()
+
+    def check_tensor(self, name: str, dtype: str, shape: list[int]) -> None:
+        self._get().check_tensor(name, dtype, shape)

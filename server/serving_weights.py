@@ -20,7 +20,13 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine
-from kiln.runtime.live_weights import PAUSE_MODES, WeightSource, WeightUpdateError, WeightVersion
+from kiln.runtime.live_weights import (
+    PAUSE_MODES,
+    WeightSource,
+    WeightUpdateError,
+    WeightVersion,
+    return_freed_memory,
+)
 from kiln.runtime.weight_transfer import Channel, TransferGroup
 from kiln.server.errors import INVALID_REQUEST, APIError, bad_request
 from kiln.server.protocol import InitWeightTransferRequest, UpdateWeightsFromDiskRequest, UpdateWeightsRequest
@@ -92,13 +98,18 @@ class ServingWeights:
             except WeightUpdateError as error:
                 self.engine.count_weight_update("distributed", "failed")
                 raise bad_request(error.one_line(), "update_info") from None
-        if refused:
-            self.engine.count_weight_update("distributed", "failed")
-            raise bad_request(refused[0] + "; the served weights are unchanged", "update_info")
-        version = await self._replace(
-            lambda: self.weights.from_tensors(tensors), "distributed", "distributed", "update_info"
-        )
-        return _updated(version, f"{len(tensors)} tensors from the trainer serve")
+        count = len(tensors)
+        try:
+            if refused:
+                self.engine.count_weight_update("distributed", "failed")
+                raise bad_request(refused[0] + "; the served weights are unchanged", "update_info")
+            version = await self._replace(
+                lambda: self.weights.from_tensors(tensors), "distributed", "distributed", "update_info"
+            )
+        finally:
+            tensors.clear()  # the trainer's floats: the model's size in float32, handed back now
+            await asyncio.to_thread(return_freed_memory)
+        return _updated(version, f"{count} tensors from the trainer serve")
 
     async def pause(self, mode: str) -> dict[str, Any]:
         if mode not in PAUSE_MODES:

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from kiln.backends.base import allocate_kv_cache
+from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.registry import get_backend
 from kiln.build import optimize
 from kiln.compiler import ModelOptions, compile_model, resolve
@@ -91,6 +92,17 @@ def test_bad_weights_are_refused_by_name(tiny, tmp_path: Path) -> None:
     refitter.check_tensor(q, "bfloat16", [64, 64])
     with pytest.raises(WeightUpdateError, match="no such"):
         refitter.from_path(str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_take_the_artifacts_quantizer(quantization: str, tiny, tmp_path: Path) -> None:
+    hf, _ = tiny
+    refitter = Refitter(compiled(hf, tmp_path / "a", backend="reference", quantization=quantization))
+    tensors = nudged(transformers.AutoModelForCausalLM.from_pretrained(hf).eval(), 3)
+    program = optimize(refitter.config, tensors, refitter.options).program
+    assert refitter.options.quantization == quantization
+    expected = last_logits(ReferenceExecutable(program.graph, program.weights))
+    assert np.array_equal(last_logits(refitter.from_tensors(tensors)), expected)
 
 
 def test_int8_on_tvm_is_what_a_compile_of_the_new_weights_holds(tiny, tmp_path: Path) -> None:

@@ -420,6 +420,13 @@ class TVMExecutable:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
         return self.staging.upload(arrays)
 
+    def release_kv_cache(self) -> None:
+        """Let go of the views of the last KV cache (and the CUDA graphs captured on it), so that a cache
+        the engine drops is freed (backends.base.release_kv_cache)."""
+        self._cache_arg = None
+        if self.graphs is not None:
+            self.graphs.captured.clear()
+
     def call(self, tensors: list[Any], kv_cache: KVCache, image_rows: Any = None) -> Any:
         """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads;
         `image_rows` for a vision-language model (none given: an empty one)."""

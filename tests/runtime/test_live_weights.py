@@ -24,7 +24,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 @pytest.fixture(scope="module")
 def other_weights() -> ReferenceExecutable:
     generator = torch.Generator().manual_seed(7)
-    weights = {name: w + 0.3 * torch.randn(w.shape, generator=generator) for name, w in tiny_weights().items()}
+    weights = {
+        name: w + 0.3 * torch.randn(w.shape, generator=generator) for name, w in tiny_weights().items()
+    }
     captured = capture_weights(TINY_CONFIG, weights)
     return ReferenceExecutable(captured.graph, captured.weights)
 
@@ -166,3 +168,16 @@ def test_pause_abort_ends_requests_in_flight_and_resume_starts_held_ones(make_ti
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_artifacts_whose_weights_cannot_be_replaced_are_named() -> None:
+    from kiln.runtime.live_weights import WeightUpdateError, check_refittable
+
+    check_refittable({}, {"backend": "tvm"})
+    for manifest, entry, why in (
+        ({}, {"backend": "tvm", "ranks": [{}, {}]}, "tensor-parallel"),
+        ({"vision": {}}, {"backend": "tvm"}, "vision-language"),
+        ({}, {"backend": "tensorrt"}, "TensorRT engines hold their weights"),
+    ):
+        with pytest.raises(WeightUpdateError, match=why):
+            check_refittable(manifest, entry)

@@ -252,6 +252,10 @@ def test_pause_resume_sleep_and_wake_up(server: ServerProcess, policy: tuple[Pat
 
 def test_the_routes_exist_only_with_the_flag_and_behind_the_api_key(start_app, make_tiny_engine) -> None:
     plain = start_app()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for stream in (False, True):
+        answer = httpx.post(f"{plain.url}/v1/chat/completions", json={**chat, "stream": stream}, timeout=30)
+        assert answer.status_code == 200 and answer.headers["kiln-weight-version"] == "0"
     assert httpx.post(f"{plain.url}/update_weights_from_disk", json={"model_path": "x"}).status_code == 404
     assert httpx.post(f"{plain.url}/sleep").status_code == 404
 
