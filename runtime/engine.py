@@ -200,14 +200,18 @@ class LLMEngine:
         """Stop every request now; the final output of each (finish_reason "abort")."""
         finals = []
         for request in list(self.requests.values()):
-            for seq in request.sequences:
-                if not seq.is_finished:
-                    self.scheduler.remove(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "abort"
-            self._held.pop(request.request_id, None)
+            self._end_aborted(request)
             finals.append(self._output(request))
         return finals
+
+    def _end_aborted(self, request: Request) -> None:
+        """Mark the request's unfinished sequences aborted and take them out of the schedule."""
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+        self._held.pop(request.request_id, None)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -334,13 +338,9 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self._end_aborted(request)
         for seq in request.sequences:
-            if not seq.is_finished:
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "abort"
             self._states.pop(seq.seq_id, None)
-        self._held.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -220,6 +220,19 @@ def check_batch_invariance() -> Any:
 # steps in milliseconds, for tests that need many of them.
 
 TINY_VOCAB = 96
+
+
+def load_script(path: Path) -> Any:
+    """A script of the repository (scripts/, examples/) imported as a module, by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 TINY_CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
     vocab_size=TINY_VOCAB,

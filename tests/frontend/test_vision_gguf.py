@@ -7,7 +7,6 @@ files it ran on) on the default path (TVM for this CPU; every backend's image pa
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from PIL import Image
 
 from kiln.errors import ModelLoadError
 from kiln.runtime.sampling_params import SamplingParams
+from tests.conftest import load_script
 
 pytest.importorskip("transformers")
 
@@ -31,11 +31,7 @@ def fixture_of(family: str) -> Path:
 
 
 def make_vlm() -> Any:
-    spec = importlib.util.spec_from_file_location("make_vlm", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

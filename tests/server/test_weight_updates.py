@@ -6,7 +6,6 @@ and wake-up; the routes only with the flag and behind the API key."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import torch
 import transformers
 
 from kiln.weight_sync import WeightSync, WeightSyncError
+from tests.conftest import load_script
 from tests.server.conftest import ServerProcess
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
@@ -29,11 +29,7 @@ MAX_TOKENS = 12
 
 
 def rl_loop() -> Any:
-    spec = importlib.util.spec_from_file_location("rl_loop", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 @pytest.fixture(scope="module")
