@@ -37,7 +37,8 @@ from kiln.frontend.source import Weight, float32
 from kiln.ir.deferred import materialize
 from kiln.ir.gguf_blocks import QuantizedTensor
 from kiln.runtime.artifact import LoadedArtifact, load_ranks, rank_entries
-from kiln.runtime.live_weights import WeightUpdateError, check_refittable
+from kiln.runtime.live_weights import StagedWeights, WeightUpdateError, check_refittable
+from kiln.runtime.tensor_parallel import StagedRanks, TensorParallelExecutable
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GGUF_QUANTIZERS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # gguf-py quantizes these
@@ -52,6 +53,7 @@ class Refitter:
         self.target = artifact.target
         self.entry = artifact.target_entry
         self.ranks = rank_entries(self.entry)
+        self.served = artifact.executable  # a tensor-parallel model's ranks take new shards in place
         self.config = ModelConfig.from_dict(manifest["model"]["config"])
         compiled = manifest["compile"]
         names = {f.name for f in dataclasses.fields(PipelineOptions)} - {"context_len"}
@@ -64,7 +66,7 @@ class Refitter:
 
     # -- WeightSource ----------------------------------------------------------------------------------
 
-    def from_path(self, path: str) -> Executable:
+    def from_path(self, path: str) -> Executable | StagedWeights:
         self._refuse_what_cannot_refit()
         try:
             config, weights = self._read(path)
@@ -90,7 +92,7 @@ class Refitter:
             raise WeightUpdateError(f"{path}: a vision-language model; this server serves a text model")
         return source.config, source.weights
 
-    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable:
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable | StagedWeights:
         self._refuse_what_cannot_refit()
         weights = self.adapted(tensors)
         self._check(weights, "")
@@ -203,13 +205,24 @@ class Refitter:
             blocks[name] = quantize_blocks(weight, ggml_type)
         return blocks
 
-    def _executable(self, weights: dict[str, Any], blocks: dict[str, QuantizedTensor]) -> Executable:
-        program = optimize(self.config, weights, self.options, gguf=blocks).program
+    def _executable(
+        self, weights: dict[str, Any], blocks: dict[str, QuantizedTensor]
+    ) -> Executable | StagedWeights:
+        """Rank 0's executable of the new weights; for a tensor-parallel artifact, staged with each
+        other rank's shard (its own program: the same pipeline at its rank)."""
         backend = get_backend(self.entry["backend"])
-        code = self.folder / self.ranks[0]["folder"]
-        made = weight_maker(program)
-        stored = {w.name: made(w) for w in stored_weights(program, [backend.stored_weights(code)])}
-        return backend.load(code, stored, self.target)
+        stored = []
+        for rank, entry in enumerate(self.ranks):
+            options = dataclasses.replace(self.options, rank=rank)
+            program = optimize(self.config, weights, options, gguf=blocks).program
+            made = weight_maker(program)
+            code = self.folder / entry["folder"]
+            stored.append({w.name: made(w) for w in stored_weights(program, [backend.stored_weights(code)])})
+        rank0 = backend.load(self.folder / self.ranks[0]["folder"], stored[0], self.target)
+        if len(self.ranks) == 1:
+            return rank0
+        assert isinstance(self.served, TensorParallelExecutable)
+        return StagedRanks(self.served, rank0, stored[1:])
 
 
 def quantize_blocks(weight: Weight, ggml_type: str) -> QuantizedTensor:

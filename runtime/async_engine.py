@@ -37,6 +37,7 @@ from kiln.runtime.live_weights import (
     PAUSE_MODES,
     EngineAsleepError,
     PauseMode,
+    StagedWeights,
     WeightVersion,
     return_freed_memory,
 )
@@ -289,7 +290,9 @@ class AsyncEngine:
 
         await self._on_engine_thread(release)
 
-    async def replace_weights(self, make: Callable[[], Executable], how: str, source: str) -> WeightVersion:
+    async def replace_weights(
+        self, make: Callable[[], Executable | StagedWeights], how: str, source: str
+    ) -> WeightVersion:
         """Make an executable with the new weights (in a worker thread: the engine keeps serving), then,
         with no request in flight (pausing in `wait` mode unless paused already), serve it; `make`'s
         error leaves the served weights as they are. `how` counts it in `weight_updates`."""
@@ -304,14 +307,15 @@ class AsyncEngine:
             self.count_weight_update(how, "ok")
             return version
 
-    async def _swap(self, executable: Executable, source: str) -> WeightVersion:
+    async def _swap(self, executable: Executable | StagedWeights, source: str) -> WeightVersion:
         was_paused = self._paused
         if not was_paused:
             await self.pause("wait")
         try:
 
             def swap() -> None:
-                self._engine.replace_executable(executable, self._engine.weight_version + 1)
+                new = executable.commit() if isinstance(executable, StagedWeights) else executable
+                self._engine.replace_executable(new, self._engine.weight_version + 1)
                 self._weight_source = source
                 return_freed_memory()  # the old executable and the mapped files it was made from
 
@@ -330,6 +334,11 @@ class AsyncEngine:
         that arrive while asleep are refused (EngineAsleepError), held ones wait for `wake_up`."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not getattr(self._engine.executable, "sleeps", True):
+            raise ValueError(
+                "this model's executable cannot sleep (a tensor-parallel model's workers hold their own "
+                "KV caches and weights)"
+            )
         async with self._lock():
             if not self._paused:
                 await self.pause("wait")

@@ -14,7 +14,7 @@ import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from kiln.errors import KilnError
 
@@ -45,14 +45,24 @@ class WeightVersion:
     source: str
 
 
+@runtime_checkable
+class StagedWeights(Protocol):
+    """New weights that take their place on the engine's thread, between steps: a tensor-parallel
+    model's shards travel to its workers over the step's own process group."""
+
+    def commit(self) -> Executable:
+        """Every rank serves the new weights (the executable to serve), or none does (BackendError)."""
+        ...
+
+
 class WeightSource(Protocol):
     """Makes executables of the served artifact's compiled code with other weights (kiln/refit.py)."""
 
-    def from_path(self, path: str) -> Executable:
+    def from_path(self, path: str) -> Executable | StagedWeights:
         """The weights of an HF safetensors folder or a GGUF with the model's tensor names and shapes."""
         ...
 
-    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable:
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable | StagedWeights:
         """The weights given by their HF names (every weight of the model)."""
         ...
 
@@ -80,11 +90,6 @@ def return_freed_memory() -> None:
 def check_refittable(manifest: dict[str, Any], entry: dict[str, Any]) -> None:
     """A WeightUpdateError for an artifact (its manifest, the served target's entry) whose weights
     cannot be replaced."""
-    if len(entry.get("ranks") or []) > 1:
-        raise WeightUpdateError(
-            "weight updates of a tensor-parallel artifact are not supported yet",
-            hint="serve an artifact compiled without --tensor-parallel-size",
-        )
     if "vision" in manifest:
         raise WeightUpdateError("weight updates of a vision-language model are not supported yet")
     if entry["backend"] == "tensorrt":
@@ -109,10 +114,10 @@ class OnFirstUse:
                 self._source = self._make()
             return self._source
 
-    def from_path(self, path: str) -> Executable:
+    def from_path(self, path: str) -> Executable | StagedWeights:
         return self._get().from_path(path)
 
-    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable:
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> Executable | StagedWeights:
         return self._get().from_tensors(tensors)
 
     def from_artifact(self) -> Executable:

@@ -4,6 +4,11 @@ ranks 1.. are worker processes that run theirs. Before each step rank 0 broadcas
 the ranks, and every rank ends with the whole logits. Each rank owns its shard of the KV cache, with
 the engine's block count and size (so the engine's block tables address every shard).
 
+New weights (docs/weight-updates.md) travel the same way, between steps: a WEIGHTS header with each
+worker's payload size, then each worker's shard (safetensors bytes) sent to it alone; every worker
+loads its shard and answers whether it could, and rank 0 broadcasts COMMIT (all serve the new weights)
+or ABORT (all keep the old).
+
 A worker that exits makes the next step raise instead of waiting on it; the process group's timeout
 bounds a collective that a dying worker leaves half done.
 
@@ -21,7 +26,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,8 +37,8 @@ from kiln.runtime.weights_file import read_weights_file
 if TYPE_CHECKING:
     import torch
 
-STOP, CACHE, STEP = 0, 1, 2
-HEADER = 8
+STOP, CACHE, STEP, WEIGHTS, COMMIT, ABORT = 0, 1, 2, 3, 4, 5
+HEADER = 8  # a WEIGHTS header holds each worker's payload size: at most 7 workers
 TIMEOUT = datetime.timedelta(seconds=120)
 FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 
@@ -50,10 +55,14 @@ class CompiledRanks:
     weights: tuple[str, ...]
 
     def __call__(self, rank: int) -> Executable:
+
+        return self.with_weights(rank, read_weights_file(Path(self.weights[rank])))
+
+    def with_weights(self, rank: int, weights: dict[str, Any]) -> Executable:
+        """Rank r's executable with other weights (stored as its code reads them: a weight update)."""
         from kiln.backends.registry import get_backend
         from kiln.backends.targets import Target
 
-        weights = read_weights_file(Path(self.weights[rank]))
         return get_backend(self.backend).load(Path(self.folders[rank]), weights, Target.parse(self.target))
 
 
@@ -147,12 +156,36 @@ def _worker(rank: int, world: int, init_method: str, make: Callable[[int], Execu
             if kind == CACHE:
                 cache = executable.kv_cache_spec.allocate(int(header[1]), int(header[2]))
                 continue
+            if kind == WEIGHTS:
+                executable = _take_weights(rank, header, make, executable)
+                continue
             payload = torch.empty(_payload_size(header), dtype=torch.int64)
             dist.broadcast(payload, 0)
             assert cache is not None, "a step before the KV cache"
             executable.step(_unpack(header, payload), cache)
     finally:
         dist.destroy_process_group()
+
+
+def _take_weights(
+    rank: int, header: torch.Tensor, make: Callable[[int], Executable], serving: Executable
+) -> Executable:
+    """A worker's side of a weight update: receive its shard, make its executable, say whether it could,
+    then serve it on COMMIT (or keep `serving` on ABORT)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load
+
+    payload = torch.empty(int(header[rank]), dtype=torch.uint8)
+    dist.recv(payload, 0)
+    staged: Executable | None = None
+    try:
+        staged = make.with_weights(rank, load(payload.numpy().tobytes()))  # type: ignore[attr-defined]
+    except Exception as error:  # the update is refused whole: rank 0 says ABORT
+        print(f"kiln: tensor-parallel rank {rank} cannot load the new weights: {error}", flush=True)
+    dist.send(torch.tensor([int(staged is not None)], dtype=torch.int64), 0)
+    dist.broadcast(header, 0)
+    return staged if int(header[0]) == COMMIT and staged is not None else serving
 
 
 def _free_port() -> int:
@@ -164,6 +197,8 @@ def _free_port() -> int:
 class TensorParallelExecutable:
     """Rank 0 of `world`, started with its worker processes (or joined by torchrun's); an Executable
     for the engine."""
+
+    sleeps = False  # its workers hold their own KV caches and weights: no sleep mode (live_weights.py)
 
     def __init__(self, make: Callable[[int], Executable], world: int) -> None:
         import torch
@@ -226,6 +261,50 @@ class TensorParallelExecutable:
             self._check_workers()
             raise BackendError(f"a tensor-parallel collective failed: {error}") from None
 
+    def replace_weights(self, rank0: Executable, shards: list[dict[str, torch.Tensor]]) -> None:
+        """Serve new weights on every rank: `rank0`, this process's executable of them, and each worker's
+        shard (stored as its code reads them). Run between steps on the engine's thread: the shards go
+        over the step's process group. Two phases: every worker loads its shard, then all serve them
+        (COMMIT), or, if one could not, none does (ABORT, BackendError) and the old weights serve on."""
+        import torch
+        import torch.distributed as dist
+        from safetensors.torch import save
+
+        self._check_workers()
+        if len(shards) != self.world - 1 or self.world > HEADER:
+            raise BackendError(f"{len(shards)} shards for {self.world - 1} workers (at most {HEADER - 1})")
+        payloads = [
+            torch.frombuffer(
+                bytearray(save({n: t.contiguous() for n, t in shard.items()})), dtype=torch.uint8
+            )
+            for shard in shards
+        ]
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[0] = WEIGHTS
+        for rank, payload in enumerate(payloads, start=1):
+            header[rank] = payload.numel()
+        try:
+            dist.broadcast(header, 0)
+            for rank, payload in enumerate(payloads, start=1):
+                dist.send(payload, rank)
+            loaded = []
+            for rank in range(1, self.world):
+                answer = torch.zeros(1, dtype=torch.int64)
+                dist.recv(answer, rank)
+                loaded.append(bool(answer[0]))
+            header.zero_()
+            header[0] = COMMIT if all(loaded) else ABORT
+            dist.broadcast(header, 0)
+        except RuntimeError as error:  # a collective whose peer went away
+            self._check_workers()
+            raise BackendError(f"a tensor-parallel collective failed: {error}") from None
+        if not all(loaded):
+            failed = [rank for rank, ok in enumerate(loaded, start=1) if not ok]
+            raise BackendError(
+                f"tensor-parallel rank(s) {failed} could not load the new weights; every rank keeps the old"
+            )
+        self.executable = rank0
+
     def _check_workers(self) -> None:
         if self._closed:
             raise BackendError("the tensor-parallel workers were stopped")
@@ -257,3 +336,17 @@ class TensorParallelExecutable:
                 worker.join()
         dist.destroy_process_group()
         _restore_threads(*self._threads)
+
+
+@dataclass
+class StagedRanks:
+    """New weights for every rank of `ranks` (a live_weights.StagedWeights): rank 0's executable of them
+    and each worker's shard, put in place by `commit` on the engine's thread."""
+
+    ranks: TensorParallelExecutable
+    rank0: Executable
+    shards: list[dict[str, Any]]
+
+    def commit(self) -> Executable:
+        self.ranks.replace_weights(self.rank0, self.shards)
+        return self.ranks

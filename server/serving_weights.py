@@ -132,7 +132,10 @@ class ServingWeights:
     async def sleep(self, level: int) -> dict[str, Any]:
         if level not in (1, 2):
             raise bad_request(f"level {level}: give 1 (drop the KV cache) or 2 (the weights too)", "level")
-        await self.engine.sleep(level)
+        try:
+            await self.engine.sleep(level)
+        except ValueError as error:
+            raise APIError(HTTPStatus.CONFLICT, str(error), INVALID_REQUEST) from None
         return {"success": True, "sleeping": level}
 
     async def wake_up(self) -> dict[str, Any]:

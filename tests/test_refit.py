@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from kiln.backends.base import allocate_kv_cache
+from kiln.backends.base import BackendError, allocate_kv_cache
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.registry import get_backend
 from kiln.build import optimize
@@ -23,6 +23,7 @@ from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.refit import Refitter
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.live_weights import WeightUpdateError
+from kiln.runtime.tensor_parallel import StagedRanks
 from tests.backends.conftest import save_tiny_hf
 from tests.backends.reference.test_llama_cpp_converted import convert, save_byte_level_tokenizer
 
@@ -138,3 +139,28 @@ def test_gguf_blocks_take_floats_as_llama_cpp_quantizes_them(tmp_path: Path, lla
         refitter.from_tensors(floats)
     with pytest.raises(WeightUpdateError, match=f"{name}: Q8_0 blocks, the artifact's are Q4_K"):
         refitter.from_path(str(gguf_path))
+
+
+def test_tensor_parallel_ranks_each_take_their_shard_or_none_does(tiny, tmp_path: Path) -> None:
+    """TP 2 on the reference backend: rank 0 in this process, rank 1 a spawned worker that receives its
+    shard over the step's process group; a shard a worker cannot load leaves every rank on the old."""
+    hf, _ = tiny
+    artifact = compiled(hf, tmp_path / "a", backend="reference", quantization="none", tensor_parallel_size=2)
+    ranks = artifact.executable
+    try:
+        refitter = Refitter(artifact)
+        trained = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+        before = last_logits(ranks)
+        staged = refitter.from_tensors(nudged(trained, 4))
+        broken = StagedRanks(
+            ranks, staged.rank0, [{name: t for name, t in list(staged.shards[0].items())[1:]}]
+        )
+        with pytest.raises(BackendError, match=r"rank\(s\) \[1\] could not load the new weights"):
+            broken.commit()
+        assert np.array_equal(last_logits(ranks), before)
+        assert staged.commit() is ranks
+        with torch.no_grad():
+            expected = trained(torch.tensor([PROMPT])).logits[0, -1].numpy()
+        assert np.abs(last_logits(ranks) - expected).max() / np.abs(expected).max() < 1e-5
+    finally:
+        ranks.close()

@@ -175,7 +175,6 @@ def test_artifacts_whose_weights_cannot_be_replaced_are_named() -> None:
 
     check_refittable({}, {"backend": "tvm"})
     for manifest, entry, why in (
-        ({}, {"backend": "tvm", "ranks": [{}, {}]}, "tensor-parallel"),
         ({"vision": {}}, {"backend": "tvm"}, "vision-language"),
         ({}, {"backend": "tensorrt"}, "TensorRT engines hold their weights"),
     ):

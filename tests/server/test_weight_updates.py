@@ -264,3 +264,33 @@ def test_the_routes_exist_only_with_the_flag_and_behind_the_api_key(start_app, m
     assert httpx.post(f"{guarded.url}/update_weights_from_disk", json={"model_path": "x"}).status_code == 401
     authorized = httpx.post(f"{guarded.url}/pause", headers={"Authorization": "Bearer key"}, timeout=10)
     assert authorized.json() == {"success": True, "paused": True}
+
+
+def test_a_tensor_parallel_server_updates_every_rank(policy: tuple[Path, Any], tmp_path: Path) -> None:
+    folder, model = policy
+    server = ServerProcess(
+        folder,
+        "--backend",
+        "reference",
+        "--quantization",
+        "none",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-weight-updates",
+    )
+    try:
+        stepped = nudged(model, 5)
+        stepped.save_pretrained(tmp_path / "stepped")
+        answer = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "stepped")})
+        assert answer.status_code == 200, answer.text
+        assert completion(server, PROMPTS[5])[:2] == (greedy(stepped, PROMPTS[5], MAX_TOKENS), 1)
+        sync = WeightSync(server.url, timeout_s=30)
+        sync.join()
+        trainer = nudged(model, 6)
+        assert sync.push(trainer.named_parameters()) == 2
+        assert completion(server, PROMPTS[6])[0] == greedy(trainer, PROMPTS[6], MAX_TOKENS)
+        asleep = server.post("/sleep", params={"level": 1})
+        assert asleep.status_code == 409 and "tensor-parallel" in asleep.json()["error"]["message"]
+        assert completion(server, PROMPTS[6])[0] == greedy(trainer, PROMPTS[6], MAX_TOKENS)
+    finally:
+        server.stop()
