@@ -234,6 +234,8 @@ class AsyncEngine:
         images: Seq[ImageEmbedding],
         lora_request: LoRARequest | None,
     ) -> None:
+        if request_id not in self._streams:  # its client left while it was held by a pause
+            return
         try:
             if lora_request is not None and self.find_lora(lora_request.lora_name) is None:
                 raise ValueError(f"model {lora_request.lora_name!r}: the adapter was unloaded")

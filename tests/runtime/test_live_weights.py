@@ -170,6 +170,29 @@ def test_pause_abort_ends_requests_in_flight_and_resume_starts_held_ones(make_ti
     asyncio.run(scenario())
 
 
+def test_a_request_whose_client_leaves_while_held_never_runs(make_tiny_engine) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(make_tiny_engine())
+        try:
+            await engine.pause("wait")
+
+            async def first_output() -> None:
+                async for _ in engine.generate(PROMPT, GREEDY, "gone"):
+                    return
+
+            waiting = asyncio.create_task(first_output())
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await engine.resume()
+            await asyncio.sleep(0.1)
+            assert engine.is_idle() and engine.stats().num_prompt_tokens == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_artifacts_whose_weights_cannot_be_replaced_are_named() -> None:
     from kiln.runtime.live_weights import WeightUpdateError, check_refittable
 
