@@ -105,12 +105,13 @@ class BlockPool:
                 cached = block.block_hash is not None and self._cached.get(block.block_hash) is block
                 (self._free_cached if cached else self._free_uncached)[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Record a full block under its hash; the first block with a given hash stays the cached one."""
+    def register(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Record a full block under its hash; the first block with a given hash stays the cached one.
+        True where `block` became the cached one."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block)
+        return self._cached.setdefault(block_hash, block) is block
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their K/V, but nothing will hit them)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.backends.base import KVCacheSpec
+from kiln.runtime.kv_offload import KVOffloadConfig
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
 
@@ -20,7 +21,7 @@ class EngineConfig:
     """The KV cache holds `max_num_seqs` sequences of `max_model_len` tokens, at most `kv_cache_fraction`
     of the memory available now where the cache lives (None: half the host's, 90% of a GPU's free
     memory); `kv_cache_memory` (bytes) or `num_blocks` set it instead. `max_model_len` None: the
-    model's context, up to DEFAULT_MAX_MODEL_LEN."""
+    model's context, up to DEFAULT_MAX_MODEL_LEN. `kv_offload`: where full blocks go besides the pool."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -30,6 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    kv_offload: KVOffloadConfig | None = None  # lower tiers of the prefix cache (kv_offload.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

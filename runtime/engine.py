@@ -5,6 +5,7 @@ before scheduling and the speculating sequences' rows are verified instead of sa
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from kiln.runtime.block_pool import model_root_hash
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.kv_offload import KVConnector, OffloadStats, TieredKVOffload, open_offload
 from kiln.runtime.lora import AdapterReader, AdapterSlots, LoRAConfig, LoRAError, LoRARequest
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
@@ -97,11 +99,13 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.num_blocks, self.block_size, model_id, self.config.enable_prefix_caching
         )
+        self.offload = self._open_offload(draft)
         self.model_id = model_id
         self.weight_version = 0  # bumped by every change of weights (replace_executable)
+        self._weights_tag = ""  # in the prefix chain's root: "" for the artifact's weights
         self.asleep = 0  # the sleep level: 0 awake, 1 without a KV cache, 2 without weights too
         self.adapters = self._adapter_slots(lora, adapter_reader)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.adapters)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.adapters, self.offload)
         self.requests: dict[str, Request] = {}
         self._states: dict[str, _SequenceState] = {}
         self._held: dict[str, list[Sequence]] = {}  # n > 1: samples that wait for the prompt's blocks
@@ -121,6 +125,30 @@ class LLMEngine:
             raise ValueError("serving LoRA adapters needs an adapter reader")
         tables = spec.allocate(lora.max_loras, lora.max_lora_rank, kv_cache_device(self.executable))
         return AdapterSlots(spec, lora, tables, reader)
+
+    def _open_offload(self, draft: Executable | None) -> KVConnector | None:
+        config = self.config.kv_offload
+        if config is None:
+            return None
+        if not self.config.enable_prefix_caching:
+            raise ValueError("KV offload keeps prefix-cache blocks: it needs prefix caching enabled")
+        if draft is not None:
+            raise ValueError(
+                "KV offload does not keep a draft model's KV cache: use it without --speculative-config's "
+                "draft model (n-gram speculation works with it)"
+            )
+        offload = open_offload(config, self.executable.kv_cache_spec, self.block_size)
+        offload.bind(self.kv_cache)
+        return offload
+
+    def offload_stats(self) -> OffloadStats | None:
+        return self.offload.stats() if self.offload is not None else None
+
+    def close(self) -> None:
+        """Finish the KV blocks queued for the offload tiers and stop their threads."""
+        if self.offload is not None:
+            self.scheduler.drain_loads()
+            self.offload.close()
 
     # -- adapters ---------------------------------------------------------------------------------
 
@@ -156,6 +184,7 @@ class LLMEngine:
         _check_same_step(self.executable, executable)
         old, self.executable = self.executable, executable
         self.weight_version = version
+        self._weights_tag = f"#weights{version}:{secrets.token_hex(8)}"
         self._forget_prefixes()
         return old
 
@@ -165,6 +194,7 @@ class LLMEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._refuse_with_requests("sleep")
+        self._unbind_offload()
         release_kv_cache(self.executable)
         self.kv_cache = None
         self._forget_prefixes()
@@ -182,6 +212,8 @@ class LLMEngine:
             self.kv_cache = self.executable.kv_cache_spec.allocate(
                 self.num_blocks, self.block_size, kv_cache_device(self.executable)
             )
+            if self.offload is not None:
+                self.offload.bind(self.kv_cache)
         self.asleep = 0
 
     @property
@@ -192,9 +224,20 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError(f"cannot {what} with {len(self.requests)} requests in flight")
 
+    def _unbind_offload(self) -> None:
+        if self.offload is not None:
+            self.scheduler.drain_loads()
+            if isinstance(self.offload, TieredKVOffload):
+                self.offload.flush()
+            self.offload.bind(None)
+
     def _forget_prefixes(self) -> None:
+        """Forget the pool's cached blocks; new ones chain from a root naming the weights: after an update,
+        this process's own update, so that no other process (sharing an offload folder) mistakes them for
+        its version n."""
+        self.scheduler.drain_loads()
         self.kv.pool.reset_prefix_cache()
-        self.kv.root_hash = model_root_hash(f"{self.model_id}#weights{self.weight_version}")
+        self.kv.root_hash = model_root_hash(self.model_id + self._weights_tag)
 
     def abort_all(self) -> list[RequestOutput]:
         """Stop every request now; the final output of each (finish_reason "abort")."""
@@ -357,7 +400,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(len(held) for held in self._held.values())
+        held = sum(len(held) for held in self._held.values())
+        return len(self.scheduler.waiting) + len(self.scheduler.loading) + held
 
     @property
     def kv_cache_usage(self) -> float:
@@ -370,6 +414,8 @@ class LLMEngine:
             self.spec_decoder.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
+            if self.scheduler.loading and self.offload is not None:
+                self.offload.wait_for_load(0.05)  # nothing else to do until a load ends
             return []
         if self.spec_decoder is not None:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
@@ -402,9 +448,7 @@ class LLMEngine:
             row += num_prompt_rows
             seq.num_computed_tokens += chunk.num_new_tokens - num_drafts  # drafts count once accepted
             self.stats.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(
-                seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
-            )
+            self._cache_full_blocks(seq)
             if num_drafts:
                 to_verify.append((seq, row, num_drafts))
             elif chunk.completes_known_tokens:
@@ -493,9 +537,15 @@ class LLMEngine:
         accepted = self.spec_decoder.verify(seq, rows, num_drafts, sample_row)
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
-            self.kv.cache_full_blocks(
-                seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
-            )
+            self._cache_full_blocks(seq)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks `seq` filled; hand the new ones to the offload tiers."""
+        registered = self.kv.cache_full_blocks(
+            seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
+        )
+        if registered and self.offload is not None:
+            self.offload.save(registered)
 
     def _release_held(self, request: Request) -> None:
         """n > 1: once the first sample's prompt is computed (and its blocks cached), admit the rest."""

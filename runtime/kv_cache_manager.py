@@ -75,21 +75,36 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(missing))
         return True
 
+    def prefix_hashes(self, token_ids: Sequence[int], count: int, salt: str | None = None) -> list[BlockHash]:
+        """The chain hashes of the first `count` full blocks of `token_ids` (computed with `salt`)."""
+        return self._full_block_hashes(token_ids, count, [], salt)
+
     def cache_full_blocks(
         self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: str | None = None
-    ) -> None:
-        """Register every block of `seq_id` whose tokens are all computed now."""
+    ) -> list[tuple[int, BlockHash]]:
+        """Register every block of `seq_id` whose tokens are all computed now; the (block id, hash) of
+        those that became the cached copy of their hash."""
         if not self.pool.enable_caching:
-            return
+            return []
         blocks = self._blocks[seq_id]
         num_full = min(num_computed // self.block_size, len(blocks))
         known = self._hashes.setdefault(seq_id, [])
         if num_full <= len(known):
-            return
+            return []
         hashes = self._full_block_hashes(token_ids, num_full, known, salt)
+        registered = []
         for index in range(len(known), num_full):
-            self.pool.register(blocks[index], hashes[index])
+            if self.pool.register(blocks[index], hashes[index]):
+                registered.append((blocks[index].block_id, hashes[index]))
         self._hashes[seq_id] = hashes
+        return registered
+
+    def register_loaded(self, seq_id: str, first: int, hashes: Sequence[BlockHash]) -> None:
+        """Blocks `first`, `first + 1`, ... of `seq_id` were filled from a lower tier: cache them under
+        `hashes`."""
+        blocks = self._blocks[seq_id]
+        for offset, block_hash in enumerate(hashes):
+            self.pool.register(blocks[first + offset], block_hash)
 
     def free(self, seq_id: str) -> None:
         blocks = self._blocks.pop(seq_id, [])

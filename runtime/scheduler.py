@@ -12,6 +12,11 @@ freed and it goes back to the waiting queue, to recompute its tokens (prompt and
 readmitted. Nothing is admitted in a step that preempted. A sequence with a LoRA adapter is admitted
 once its adapter has a slot (runtime/lora.py); while every slot is held, the queue waits.
 
+With a KV connector (kv_offload.py), a waiting sequence whose next full blocks are not in the pool but
+in a lower tier takes pool blocks for them and waits off the queue while the connector fills them (a
+loader thread; steps go on); then it is queued again at the front, and admitted on those blocks as
+prefix-cache hits. A sequence loads once: preempted later, it recomputes what the pool lost.
+
 Policies (vLLM's `--scheduling-policy`): `fcfs` admits in arrival order; `priority` in order of the
 request's `priority` (smaller first, as vLLM), then arrival.
 """
@@ -22,7 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kiln.runtime.block_pool import BlockHash, KVBlock
 from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.kv_offload import KVConnector
 from kiln.runtime.lora import AdapterSlots
 from kiln.runtime.sequence import Sequence, SequenceStatus
 from kiln.runtime.step_cost import StepCostModel
@@ -84,6 +91,16 @@ class ScheduledChunk:
 
 
 @dataclass
+class _Loading:
+    """A sequence whose blocks `first`, `first + 1`, ... a connector is filling with `hashes`."""
+
+    seq: Sequence
+    first: int
+    hashes: list[BlockHash]
+    aborted: bool = False
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -104,13 +121,21 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterSlots | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        adapters: AdapterSlots | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.adapters = adapters  # a running sequence holds its LoRA adapter's slot
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, _Loading] = {}  # by seq id: blocks being filled by the connector
+        self._loaded_once: set[str] = set()
+        self.num_loaded_tokens = 0  # tokens the connector filled blocks with
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # tokens of admitted sequences found in the prefix cache
         self.num_prefix_cache_queried_tokens = 0  # tokens of admitted sequences looked up there
@@ -137,7 +162,13 @@ class Scheduler:
             self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+        """Drop a finished or aborted sequence and free its blocks (a loading one's once its load ends:
+        the loader is still writing them)."""
+        self._loaded_once.discard(seq.seq_id)
+        loading = self.loading.get(seq.seq_id)
+        if loading is not None:
+            loading.aborted = True
+            return
         if seq in self.running:
             self.running.remove(seq)
             self._release_adapter(seq)
@@ -146,9 +177,10 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
+        self._collect_loads()
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens <= 1]
@@ -209,9 +241,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq.cache_key_ids, seq.request.cache_salt)
-            collected = seq.request.prompt_logprobs
-            if collected is not None and seq.index == 0:  # skip no position whose logprob is still missing
-                cached = cached[: (len(collected) - 1) // self.kv.block_size]
+            cached = cached[: self._max_cached_blocks(seq)]
+            if self._start_load(seq, cached):
+                continue
             num_computed = len(cached) * self.kv.block_size
             remaining = seq.num_tokens - num_computed
             # Without chunked prefill a sequence is admitted whole, except one preempted after it grew past
@@ -236,6 +268,57 @@ class Scheduler:
             self.running.append(seq)
             output.chunks.append(ScheduledChunk(seq, num_computed, num_new))
             budget -= num_new
+
+
+    def _max_cached_blocks(self, seq: Sequence) -> int:
+        """The most full blocks `seq` may take computed: one token is left to compute, and no position
+        whose prompt logprob is still missing is skipped."""
+        limit = (seq.num_tokens - 1) // self.kv.block_size
+        collected = seq.request.prompt_logprobs
+        if collected is not None and seq.index == 0:
+            limit = min(limit, (len(collected) - 1) // self.kv.block_size)
+        return limit
+
+    def _start_load(self, seq: Sequence, cached: list[KVBlock]) -> bool:
+        """Have the connector fill the blocks after the pool's `cached` hits that it holds; True where
+        `seq` left the queue to wait for them."""
+        if self.connector is None or seq.seq_id in self._loaded_once or not self.kv.pool.enable_caching:
+            return False
+        limit = self._max_cached_blocks(seq)
+        first = len(cached)
+        if first >= limit:
+            return False
+        hashes = self.kv.prefix_hashes(seq.cache_key_ids, limit, seq.request.cache_salt)[first:]
+        count = self.connector.available(hashes)
+        if count == 0 or not self.kv.allocate(seq.seq_id, (first + count) * self.kv.block_size, cached):
+            return False
+        self.waiting.popleft()
+        self._loaded_once.add(seq.seq_id)
+        block_ids = self.kv.block_table(seq.seq_id)[first : first + count]
+        self.loading[seq.seq_id] = _Loading(seq, first, hashes[:count])
+        self.connector.start_load(seq.seq_id, hashes[:count], block_ids)
+        return True
+
+    def _collect_loads(self) -> None:
+        """Sequences whose loads ended: their filled blocks cached, theirs freed, queued again first."""
+        if self.connector is None or not self.loading:
+            return
+        for seq_id, num_loaded in self.connector.finished_loads().items():
+            loading = self.loading.pop(seq_id, None)
+            if loading is None:
+                continue
+            if not loading.aborted:
+                self.kv.register_loaded(seq_id, loading.first, loading.hashes[:num_loaded])
+                self.num_loaded_tokens += num_loaded * self.kv.block_size
+            self.kv.free(seq_id)
+            if not loading.aborted:
+                self.add(loading.seq, front=True)
+
+    def drain_loads(self) -> None:
+        """Wait for every load in flight (before the KV cache goes away or changes meaning)."""
+        while self.loading and self.connector is not None:
+            self.connector.wait_for_load(0.1)
+            self._collect_loads()
 
 
 def _whole_images(seq: Sequence, start: int, num_new: int) -> int:
