@@ -94,6 +94,23 @@ def _media_limits(args: argparse.Namespace) -> Any:
     return MediaLimits(policy, limit)
 
 
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_UNITS |= {f"{unit}ib": 2 ** (10 * power) for power, unit in enumerate("kmgt", 1)}
+_SIZE_UNITS |= {f"{unit}b": value for unit, value in list(_SIZE_UNITS.items()) if len(unit) == 1}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `20GiB`, `512MiB`, `2G` (powers of 1000) or a plain number."""
+    number = text.strip().lower()
+    unit = number.lstrip("0123456789.")
+    value = number[: len(number) - len(unit)]
+    if unit.strip() not in _SIZE_UNITS or not value:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB"
+        )
+    return int(float(value) * _SIZE_UNITS[unit.strip()])
+
+
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The model options given on the command line, as `kiln.LLM` keywords (validated here, at once)."""
     from kiln.compiler import ModelOptions
@@ -139,6 +156,9 @@ def _serve(args: argparse.Namespace) -> int:
         "num_blocks": args.num_kv_blocks,
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
+        "kv_offload_dir": args.kv_offload_dir,
+        "kv_offload_size": args.kv_offload_size,
+        "kv_offload_cpu_size": args.kv_offload_cpu_size,
     }
     logging.basicConfig(level=logging.WARNING, format="kiln: %(levelname)s %(name)s: %(message)s")
     llm = LLM(
@@ -663,6 +683,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-runtime-lora-updating",
         action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)",
+    )
+    serve.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="keep prefix-cache blocks in this folder too: a restarted server (or another server of the "
+        "same artifact sharing it) loads them back instead of recomputing (docs/runtime.md)",
+    )
+    serve.add_argument(
+        "--kv-offload-size",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="the most the folder's blocks take, e.g. 20GiB (default: 16 GiB or half the disk's free space)",
+    )
+    serve.add_argument(
+        "--kv-offload-cpu-size",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="host RAM that keeps blocks the KV cache evicts (for a KV cache on a GPU), e.g. 8GiB",
     )
     serve.add_argument(
         "--enable-weight-updates",

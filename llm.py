@@ -20,13 +20,16 @@ from kiln.backends.lora_tables import lora_spec
 from kiln.compiler.options import ModelOptions, OptionsError, check_artifact_options
 from kiln.frontend.pull import kiln_home
 from kiln.runtime.artifact import (
+    MANIFEST,
     LoadedArtifact,
     close_executable,
     is_artifact,
     load_artifact,
+    sha256_file,
 )
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.kv_offload import KVOffloadConfig, default_disk_bytes
 from kiln.runtime.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterReader, LoRAConfig, LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
@@ -143,7 +146,10 @@ def describe(artifact: LoadedArtifact) -> str:
 class LLM:
     """`model` and its model options (`kiln.compiler.ModelOptions`: backend, target, quantization, dtype,
     kv_cache_dtype, activation_bits, tensor_parallel_size, enable_lora, speculative_config), then the
-    engine's limits (`max_loras` adapters in one step, of rank up to `max_lora_rank`, with enable_lora)."""
+    engine's limits (`max_loras` adapters in one step, of rank up to `max_lora_rank`, with enable_lora).
+    `kv_offload_dir`: a folder that keeps prefix-cache blocks across restarts (at most `kv_offload_size`
+    bytes; default: 16 GiB or half the disk's free space); `kv_offload_cpu_size`: bytes of host RAM that
+    keep blocks evicted from a KV cache on a GPU."""
 
     def __init__(
         self,
@@ -161,6 +167,9 @@ class LLM:
         scheduling_policy: SchedulingPolicy = "fcfs",
         max_loras: int = DEFAULT_MAX_LORAS,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        kv_offload_dir: str | Path | None = None,
+        kv_offload_size: int | None = None,
+        kv_offload_cpu_size: int = 0,
         show_progress: bool = True,
         **options: Any,
     ) -> None:
@@ -183,6 +192,7 @@ class LLM:
                 max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_step_ms, scheduling_policy
             ),
             speculative=speculative,
+            kv_offload=self._kv_offload(kv_offload_dir, kv_offload_size, kv_offload_cpu_size),
         )
         self.engine = LLMEngine(
             self.artifact.executable,
@@ -199,13 +209,33 @@ class LLM:
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
 
+    def _kv_offload(
+        self, folder: str | Path | None, size: int | None, cpu_size: int
+    ) -> KVOffloadConfig | None:
+        if folder is None and not cpu_size:
+            if size is not None:
+                raise OptionsError("kv_offload_size sizes the disk tier: give kv_offload_dir too")
+            return None
+        if isinstance(self.artifact.executable, TensorParallelExecutable):
+            raise OptionsError(
+                "KV offload does not run with tensor parallelism yet (each rank holds its own KV cache)",
+                hint="serve without --kv-offload-dir, or at --tensor-parallel-size 1",
+            )
+        # the manifest names every file of the artifact by its sha256, so its own hash is the artifact's
+        identity = f"{sha256_file(self.artifact.path / MANIFEST)}/{self.artifact.target.name}"
+        disk = Path(folder) if folder is not None else None
+        disk_bytes = (size if size is not None else default_disk_bytes(disk)) if disk is not None else 0
+        return KVOffloadConfig(identity, disk, disk_bytes, cpu_size)
+
     @property
     def serves_lora(self) -> bool:
         """Whether adapters can be served: asked for, or an artifact folder compiled with them."""
         return self.options.enable_lora or lora_spec(self.artifact.executable) is not None
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks the model runs on, if any (an exiting process stops them too)."""
+        """Finish the KV blocks queued for the offload folder; stop the tensor-parallel ranks the model runs
+        on, if any (an exiting process stops them too)."""
+        self.engine.close()
         close_executable(self.artifact.executable)
 
     @property

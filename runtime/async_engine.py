@@ -33,6 +33,7 @@ from typing import Any
 from kiln.backends.base import Executable
 from kiln.errors import KilnError
 from kiln.runtime.engine import LLMEngine
+from kiln.runtime.kv_offload import OffloadStats
 from kiln.runtime.live_weights import (
     PAUSE_MODES,
     EngineAsleepError,
@@ -90,6 +91,7 @@ class EngineStatsSnapshot:
     prefix_cache_hits: int = 0  # of them, tokens found there
     requests_by_adapter: dict[str, int] = field(default_factory=dict)  # with LoRA: "" for the base model
     weight_updates: dict[tuple[str, str], int] = field(default_factory=dict)  # (how, outcome) → count
+    kv_offload: OffloadStats | None = None  # None: no offload tiers
 
 
 class AsyncEngine:
@@ -501,6 +503,7 @@ class AsyncEngine:
             engine.scheduler.num_prefix_cache_hit_tokens,
             dict(engine.adapters.requests_by_adapter) if engine.adapters is not None else {},
             dict(self._weight_updates),
+            engine.offload_stats(),
         )
 
     def _gauges(self) -> tuple[int, int, float]:

@@ -39,7 +39,9 @@ def decode(data: memoryview, namespace: bytes, block_hash: bytes, payload_bytes:
     if magic != MAGIC:
         raise BlockFileError("foreign", f"not a kiln KV block (magic {bytes(magic)!r})")
     if their_namespace != namespace:
-        raise BlockFileError("foreign", f"computed by another artifact or KV layout ({their_namespace.hex()[:16]})")
+        raise BlockFileError(
+            "foreign", f"computed by another artifact or KV layout ({their_namespace.hex()[:16]})"
+        )
     if their_hash != block_hash or length != payload_bytes:
         raise BlockFileError("foreign", f"holds block {their_hash.hex()[:16]} of {length} bytes")
     payload = data[HEADER_BYTES:]

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import queue
+import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -241,6 +242,22 @@ class TieredKVOffload:
         self._loads.put(None)
         self._writer.join(timeout=30)
         self._loader.join(timeout=30)
+
+
+DEFAULT_DISK_BYTES = 16 * 2**30
+
+
+def default_disk_bytes(folder: Path) -> int:
+    """The disk tier's size where none is given: 16 GiB, or half the free space of the folder's disk
+    where that is less."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        usage = shutil.disk_usage(existing)
+    except OSError:
+        return DEFAULT_DISK_BYTES
+    return max(1, min(DEFAULT_DISK_BYTES, usage.free // 2))
 
 
 def open_offload(config: KVOffloadConfig, spec: KVCacheSpec, block_size: int) -> TieredKVOffload:

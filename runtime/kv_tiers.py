@@ -112,6 +112,12 @@ class DiskTier:
         self._index: OrderedDict[BlockHash, None] = OrderedDict()  # least recently used first
         self._unusable: set[BlockHash] = set()  # files that failed a read: written again when computed
         self._lock = threading.Lock()
+        if self.capacity_blocks < 1:
+            logger.warning(
+                "the KV offload folder's size (%d bytes) holds no block of %d bytes: nothing is written",
+                capacity_bytes,
+                self.file_bytes,
+            )
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:

@@ -269,7 +269,6 @@ class Scheduler:
             output.chunks.append(ScheduledChunk(seq, num_computed, num_new))
             budget -= num_new
 
-
     def _max_cached_blocks(self, seq: Sequence) -> int:
         """The most full blocks `seq` may take computed: one token is left to compute, and no position
         whose prompt logprob is still missing is skipped."""

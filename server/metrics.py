@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.kv_offload import OffloadStats
 from kiln.runtime.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,6 +104,8 @@ class _EngineCollector(Collector):
         for (how, outcome), count in sorted(stats.weight_updates.items()):
             updates.add_metric([self.model_name, how, outcome], float(count))
         yield updates
+        if stats.kv_offload is not None:
+            yield from self._kv_offload(stats.kv_offload)
         if self.engine.serves_lora:
             by_adapter = CounterMetricFamily(
                 "kiln:lora_requests",
@@ -129,6 +132,36 @@ class _EngineCollector(Collector):
         for position, accepted in enumerate(speculative.accepted_at):
             per_position.add_metric([self.model_name, str(position)], float(accepted))
         yield per_position
+
+    def _kv_offload(self, offload: OffloadStats) -> Iterator[Metric]:
+        """Per lower tier (cpu, disk): blocks read back, bytes each way, blocks held, failures by reason
+        (foreign, truncated, corrupt: a file not used; write: the tier stopped writing; dropped: blocks
+        not saved because the writer was behind)."""
+        for name, doc, value_of, family in (
+            ("kv_offload_hit_blocks", "KV blocks loaded back from the tier.", "hits", CounterMetricFamily),
+            ("kv_offload_read_bytes", "Bytes read from the tier.", "read_bytes", CounterMetricFamily),
+            ("kv_offload_written_bytes", "Bytes written to the tier.", "written_bytes", CounterMetricFamily),
+            ("kv_offload_stored_blocks", "KV blocks the tier holds.", "stored_blocks", GaugeMetricFamily),
+        ):
+            metric = family(f"kiln:{name}", doc, labels=["model_name", "tier"])
+            for tier, counts in sorted(offload.tiers.items()):
+                metric.add_metric([self.model_name, tier], float(getattr(counts, value_of)))
+            yield metric
+        failures = CounterMetricFamily(
+            "kiln:kv_offload_failures",
+            "KV offload failures by tier and reason (foreign, truncated, corrupt, write, dropped).",
+            labels=["model_name", "tier", "reason"],
+        )
+        for tier, counts in sorted(offload.tiers.items()):
+            for reason in ("foreign", "truncated", "corrupt", "write", "dropped"):
+                failures.add_metric([self.model_name, tier, reason], float(counts.failures[reason]))
+        yield failures
+        yield self._metric(
+            GaugeMetricFamily,
+            "kiln:kv_offload_writing",
+            "1 while the disk tier takes writes; 0 once a write failed (full or read-only folder).",
+            0.0 if offload.write_error else 1.0,
+        )
 
     def _metric(
         self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float

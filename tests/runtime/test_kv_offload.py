@@ -58,7 +58,9 @@ def _engine(executable: Executable, tokenizer: Any, folder: Path | None, identit
 def _greedy(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
     """The tokens, and the prompt tokens it did not compute."""
     request_id = f"r{engine.stats.num_steps}-{len(engine.requests)}-{id(prompt)}"
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    engine.add_request(
+        request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    )
     (output,) = engine.run_to_completion()
     return output.outputs[0].token_ids, output.num_cached_tokens
 
@@ -169,7 +171,7 @@ def test_a_block_of_another_artifact_is_foreign(stored: tuple[Any, Path, list[in
     first = next(path for path in _files(theirs) if path.name in {p.name for p in _files(ours)})
     (ours / first.relative_to(theirs)).write_bytes(first.read_bytes())  # their bytes under our name
     engine, again, hits = _restart(model, folder)
-    assert again == tokens and _disk(engine).failures == {"foreign": 1}
+    assert again == tokens and hits < 40 and _disk(engine).failures == {"foreign": 1}
     engine.close()
 
 

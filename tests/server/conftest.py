@@ -50,12 +50,14 @@ class ServerProcess:
         api_key: str | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
+        """`wrapper`: a command that runs the server's command line (its arguments appended)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.model = MODEL_NAME
-        command = [sys.executable, "-m", "kiln.cli", "serve", str(gguf), "--port", str(self.port)]
+        command = [*wrapper, sys.executable, "-m", "kiln.cli", "serve", str(gguf), "--port", str(self.port)]
         command += ["--served-model-name", MODEL_NAME, "--uvicorn-log-level", "warning", *args]
         if api_key is not None:
             command += ["--api-key", api_key]
@@ -140,9 +142,10 @@ def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProces
         api_key: str | None = None,
         env: dict[str, str] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        wrapper: tuple[str, ...] = (),
     ) -> ServerProcess:
         server = ServerProcess(
-            smollm2_gguf_path, *args, api_key=api_key, env=env, start_timeout_s=start_timeout_s
+            smollm2_gguf_path, *args, api_key=api_key, env=env, start_timeout_s=start_timeout_s, wrapper=wrapper
         )
         started.append(server)
         return server
