@@ -145,7 +145,12 @@ def start_server(smollm2_gguf_path: Path) -> Iterator[Callable[..., ServerProces
         wrapper: tuple[str, ...] = (),
     ) -> ServerProcess:
         server = ServerProcess(
-            smollm2_gguf_path, *args, api_key=api_key, env=env, start_timeout_s=start_timeout_s, wrapper=wrapper
+            smollm2_gguf_path,
+            *args,
+            api_key=api_key,
+            env=env,
+            start_timeout_s=start_timeout_s,
+            wrapper=wrapper,
         )
         started.append(server)
         return server
