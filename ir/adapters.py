@@ -5,6 +5,7 @@ writes it into a slot of the tables."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,17 @@ class AdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.updates.values())
+
+    def digest(self) -> str:
+        """A hash of what the adapter computes (its updates, by module and layer): two loads of the same
+        adapter share cached K/V blocks, another adapter under the same name never does."""
+        hasher = hashlib.sha256()
+        for (module, layer), (a, b) in sorted(self.updates.items()):
+            for matrix in (a, b):
+                array = np.ascontiguousarray(matrix)
+                hasher.update(f"{module}:{layer}:{array.dtype}:{array.shape};".encode())
+                hasher.update(array.view(np.uint8).reshape(-1))
+        return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -54,6 +54,8 @@ class BlockPool:
         self._free_uncached: OrderedDict[int, KVBlock] = OrderedDict()
         self._free_cached: OrderedDict[int, KVBlock] = OrderedDict()  # LRU: least recently freed first
         self._cached: dict[BlockHash, KVBlock] = {}
+        # told of a cached block about to be reused (its K/V still intact): where a lower tier takes it
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -113,6 +115,10 @@ class BlockPool:
         block.block_hash = block_hash
         return self._cached.setdefault(block_hash, block) is block
 
+    def cached_blocks(self) -> list[KVBlock]:
+        """The blocks that hold a cached prefix now, in use or free."""
+        return list(self._cached.values())
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their K/V, but nothing will hit them)."""
         self._cached.clear()
@@ -120,6 +126,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self._cached[block.block_hash]
             block.block_hash = None
 

@@ -139,16 +139,24 @@ class LLMEngine:
             )
         offload = open_offload(config, self.executable.kv_cache_spec, self.block_size)
         offload.bind(self.kv_cache)
+        self.kv.pool.on_evict = lambda block: offload.save([(block.block_id, block.block_hash or b"")])
         return offload
 
     def offload_stats(self) -> OffloadStats | None:
         return self.offload.stats() if self.offload is not None else None
 
     def close(self) -> None:
-        """Finish the KV blocks queued for the offload tiers and stop their threads."""
+        """Hand the pool's cached blocks to the offload tiers, finish writing them, stop their threads."""
         if self.offload is not None:
             self.scheduler.drain_loads()
+            self._write_back()
             self.offload.close()
+
+    def _write_back(self) -> None:
+        """The pool's cached blocks to the offload tiers (those they hold already are skipped)."""
+        if self.offload is not None and self.kv_cache is not None:
+            cached = self.kv.pool.cached_blocks()
+            self.offload.save([(block.block_id, block.block_hash) for block in cached if block.block_hash])
 
     # -- adapters ---------------------------------------------------------------------------------
 
@@ -227,6 +235,7 @@ class LLMEngine:
     def _unbind_offload(self) -> None:
         if self.offload is not None:
             self.scheduler.drain_loads()
+            self._write_back()
             if isinstance(self.offload, TieredKVOffload):
                 self.offload.flush()
             self.offload.bind(None)
@@ -448,7 +457,7 @@ class LLMEngine:
             row += num_prompt_rows
             seq.num_computed_tokens += chunk.num_new_tokens - num_drafts  # drafts count once accepted
             self.stats.num_computed_tokens += chunk.num_new_tokens
-            self._cache_full_blocks(seq)
+            self._cache_full_blocks(seq, write_through=not chunk.is_decode)
             if num_drafts:
                 to_verify.append((seq, row, num_drafts))
             elif chunk.completes_known_tokens:
@@ -537,14 +546,15 @@ class LLMEngine:
         accepted = self.spec_decoder.verify(seq, rows, num_drafts, sample_row)
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
-            self._cache_full_blocks(seq)
+            self._cache_full_blocks(seq, write_through=False)
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks `seq` filled; hand the new ones to the offload tiers."""
+    def _cache_full_blocks(self, seq: Sequence, write_through: bool) -> None:
+        """Register the blocks `seq` filled. With offload tiers, a prompt's blocks go to them at once (a
+        crash keeps them); a decoded block when the pool evicts it, or when the engine closes or sleeps."""
         registered = self.kv.cache_full_blocks(
             seq.seq_id, seq.cache_key_ids, seq.num_computed_tokens, seq.request.cache_salt
         )
-        if registered and self.offload is not None:
+        if registered and write_through and self.offload is not None:
             self.offload.save(registered)
 
     def _release_held(self, request: Request) -> None:

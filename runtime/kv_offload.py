@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import shutil
 import threading
@@ -31,6 +32,7 @@ from kiln.runtime.kv_tiers import DiskTier, HostTier, KVTier, TierStats
 
 logger = logging.getLogger(__name__)
 
+WRITER_NICENESS = 19
 DEFAULT_MAX_PENDING_BYTES = 256 * 2**20  # blocks copied out but not written yet; past this, saves are dropped
 
 
@@ -96,7 +98,6 @@ class KVConnector(Protocol):
     def bind(self, kv_cache: KVCache | None) -> None:
         """The KV cache blocks are read from and written to (None while the engine sleeps)."""
         ...
-
     def stats(self) -> OffloadStats: ...
 
     def close(self) -> None:
@@ -131,7 +132,6 @@ class TieredKVOffload:
 
     def bind(self, kv_cache: KVCache | None) -> None:
         self._kv_cache = kv_cache
-
     # -- lookup and load ------------------------------------------------------------------------
 
     def available(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -208,6 +208,10 @@ class TieredKVOffload:
             self._writes.put((block_hash, payload))
 
     def _write_loop(self) -> None:
+        try:  # the step's threads first: writes take what CPU they leave (Linux: a thread's own nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
         while (item := self._writes.get()) is not None:
             if isinstance(item, threading.Event):
                 item.set()

@@ -58,7 +58,7 @@ class LoRAConfig:
 class Adapter:
     request: LoRARequest
     weights: AdapterWeights
-    cache_salt: str  # what the prefix cache keys its blocks by: a new load never reuses an old one's
+    cache_salt: str  # what the prefix cache keys its blocks by: the adapter's content, so blocks persist
     slot: int | None = None
 
 
@@ -82,7 +82,6 @@ class AdapterSlots:
     requests_by_adapter: Counter[str] = field(default_factory=Counter)
     _slots: list[_Slot] = field(init=False)
     _clock: count[int] = field(default_factory=count)
-    _loads: count[int] = field(default_factory=lambda: count(1))
 
     def __post_init__(self) -> None:
         self._slots = [_Slot() for _ in range(self.config.max_loras)]
@@ -104,7 +103,7 @@ class AdapterSlots:
         except KilnError as error:
             raise LoRAError(str(error), hint=error.hint) from None
         self._check(request.lora_name, weights)
-        return Adapter(request, weights, "")
+        return Adapter(request, weights, f"lora:{weights.digest()}")
 
     def add(self, adapter: Adapter) -> Adapter:
         """Register an adapter `read` made (on the engine's thread); the one of its name where the same
@@ -112,7 +111,6 @@ class AdapterSlots:
         known = self._known(adapter.request)
         if known is not None:
             return known
-        adapter.cache_salt = f"{adapter.request.lora_name}#{next(self._loads)}"
         self.adapters[adapter.request.lora_name] = adapter
         return adapter
 
