@@ -98,6 +98,7 @@ class KVConnector(Protocol):
     def bind(self, kv_cache: KVCache | None) -> None:
         """The KV cache blocks are read from and written to (None while the engine sleeps)."""
         ...
+
     def stats(self) -> OffloadStats: ...
 
     def close(self) -> None:
@@ -132,6 +133,7 @@ class TieredKVOffload:
 
     def bind(self, kv_cache: KVCache | None) -> None:
         self._kv_cache = kv_cache
+
     # -- lookup and load ------------------------------------------------------------------------
 
     def available(self, block_hashes: Sequence[BlockHash]) -> int:

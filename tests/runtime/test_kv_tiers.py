@@ -100,7 +100,9 @@ def test_neighbours_sharing_a_folder_read_each_others_blocks_and_never_tear_one(
 def test_a_dead_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path: Path) -> None:
     tier = _tier(tmp_path, 10)
     tier.put(_hash(1), _payload(1))
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead = tier.path_of(_hash(2)).with_name(f".{_hash(2).hex()}.{int(gone.stdout)}.1.tmp")
     live = tier.path_of(_hash(3)).with_name(f".{_hash(3).hex()}.{os.getpid()}.1.tmp")
     for path in (dead, live):
