@@ -35,9 +35,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_peers import KILN, LLAMA_SERVER, free_port, start, stop  # bench/serve_peers.py
+from serve_peers import KILN, LLAMA_SERVER, free_port, prepare, start, stop  # bench/serve_peers.py
 
-from kiln.frontend.pull import resolve_model
 from kiln.runtime.artifact import TOKENIZER_FILE, read_manifest
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -257,13 +256,7 @@ def main() -> None:
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     work = Path(args.work or tempfile.mkdtemp(prefix="kiln-kv-offload-"))
     work.mkdir(parents=True, exist_ok=True)
-    gguf = resolve_model(args.model)
-    artifact = work / args.model / "tvm-gguf"
-    if not (artifact / "manifest.json").is_file():
-        subprocess.run(
-            [*KILN, "compile", args.model, "--backend", "tvm", "--quantization", "gguf", "-o", str(artifact)],
-            check=True,
-        )
+    gguf, artifact = prepare(args, work)
 
     fields = dict(read_manifest(artifact)["tokenizer"])
     fields["tokenizer_json"] = (artifact / TOKENIZER_FILE).read_text()
@@ -310,7 +303,7 @@ def print_table(report: dict[str, Any]) -> None:
         written = max(report["steps"]["written_bytes"], default=0) / 2**20
         print(
             f"\ndecode step, 16 streams: offload off {off:.2f} ms, on {on:.2f} ms ({on / off - 1:+.1%}); "
-            f"{written:,.0f} MiB written per run"
+            f"{written:,.0f} MiB written while the measured batch ran"
         )
     print(
         f"bench process peak RSS {report['bench_peak_rss_mib']:,.0f} MiB; "

@@ -51,12 +51,17 @@ def stored(
     return folder, answer
 
 
+def _copy(stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+    """A copy of the stored folder of this test's own, and the answer."""
+    folder = tmp_path / "kv"
+    shutil.copytree(stored[0], folder)
+    return folder, stored[1]
+
+
 def test_a_restarted_server_loads_the_prefix_back(
     start_server: Callable[..., ServerProcess], stored: tuple[Path, str], tmp_path: Path
 ) -> None:
-    source, answer = stored
-    folder = tmp_path / "kv"
-    shutil.copytree(source, folder)
+    folder, answer = _copy(stored, tmp_path)
     server = start_server(*_offload_flags(folder))
     assert _ask(server, SYSTEM) == answer
     samples = server.metrics()
@@ -90,9 +95,7 @@ def _namespace_wrapper(script: str, folder: Path) -> tuple[str, ...]:
 def test_a_read_only_folder_is_read_and_never_written(
     start_server: Callable[..., ServerProcess], stored: tuple[Path, str], tmp_path: Path
 ) -> None:
-    source, answer = stored
-    folder = tmp_path / "kv"
-    shutil.copytree(source, folder)
+    folder, answer = _copy(stored, tmp_path)
     wrapper = _namespace_wrapper('mount --bind -o ro "$0" "$0"', folder)
     server = start_server(*_offload_flags(folder), wrapper=wrapper)
     assert _ask(server, SYSTEM) == answer
