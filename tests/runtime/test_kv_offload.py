@@ -228,3 +228,45 @@ def test_a_server_killed_while_writing_leaves_nothing_a_restart_uses_wrongly(
     reference, _ = _greedy(_engine(*tiny_model, None), PROMPT)
     assert tokens == reference and hits == 20 and not _disk(engine).failures
     engine.close()
+
+
+def test_decoded_blocks_reach_the_disk_when_the_pool_evicts_them_or_at_close(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """A prompt's blocks are written at once; a reply's when the pool reuses their blocks, the rest when
+    the engine closes: the next turn of the conversation (prompt + reply + more) is restored whole."""
+    folder = tmp_path / "kv"
+    engine = _engine(*tiny_model, folder)
+    reply, _ = _greedy(engine, PROMPT)  # 41 + 12 tokens: 13 full blocks computed (the last token is not)
+    _flush(engine)
+    assert len(_files(folder)) == 10
+    engine.kv.pool.allocate(engine.kv.pool.num_free)  # another request takes every block: all evicted
+    assert len(_files(folder)) >= 10
+    _flush(engine)
+    assert len(_files(folder)) == 13
+    engine.close()
+    conversation = PROMPT + reply + QUESTION
+    restarted = _engine(*tiny_model, folder)
+    tokens, hits = _greedy(restarted, conversation)
+    assert hits == 13 * BLOCK_SIZE and not _disk(restarted).failures
+    assert tokens == _greedy(_engine(*tiny_model, None), conversation)[0]
+    restarted.close()
+
+    before = len(_files(folder))
+    engine = _engine(*tiny_model, folder)
+    _greedy(engine, [5, 6, 7, 8] * 6)  # 24 + 12 tokens: 6 prompt blocks now, 2 of the reply at close
+    _flush(engine)
+    assert len(_files(folder)) == before + 6
+    engine.close()
+    assert len(_files(folder)) == before + 8
+
+
+def test_two_engines_sharing_a_folder_find_each_others_blocks(tiny_model: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    first, second = _engine(*tiny_model, folder), _engine(*tiny_model, folder)  # both indexed it empty
+    tokens, _ = _greedy(first, PROMPT)
+    _flush(first)
+    again, hits = _greedy(second, PROMPT)
+    assert again == tokens and hits == 40 and _disk(second).hits == 10
+    first.close()
+    second.close()

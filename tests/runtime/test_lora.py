@@ -166,6 +166,17 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(lora_executable: A
     assert cached == [0, 36, 0, 36, 0]
 
 
+def test_an_adapters_cache_salt_is_its_content(lora_executable: Any) -> None:
+    """The same adapter's blocks are shared across loads (and, with an offload folder, restarts); another
+    adapter under the same name never gets them."""
+    spec = lora_executable.lora_spec
+    same, other = random_adapter(spec, 1, 4), random_adapter(spec, 2, 4)
+    assert same.digest() == random_adapter(spec, 1, 4).digest() != other.digest()
+    slots = slots_of(spec, {"a": same, "b": other}, max_loras=2)
+    salts = [slots.read(LoRARequest(name, 1, name)).cache_salt for name in ("a", "a", "b")]
+    assert salts[0] == salts[1] != salts[2]
+
+
 def test_unloading_an_adapter_a_request_waits_for_is_refused(lora_executable: Any, tiny_model: Any) -> None:
     spec = lora_executable.lora_spec
     engine = lora_engine(lora_executable, tiny_model[1], {"a": random_adapter(spec, 1, 4)})
