@@ -19,7 +19,7 @@ from kiln.runtime.block_pool import model_root_hash
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.kv_offload import KVConnector, OffloadStats, TieredKVOffload, open_offload
+from kiln.runtime.kv_offload import KVConnector, OffloadStats, open_offload
 from kiln.runtime.lora import AdapterReader, AdapterSlots, LoRAConfig, LoRAError, LoRARequest
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
@@ -236,8 +236,7 @@ class LLMEngine:
         if self.offload is not None:
             self.scheduler.drain_loads()
             self._write_back()
-            if isinstance(self.offload, TieredKVOffload):
-                self.offload.flush()
+            self.offload.flush()
             self.offload.bind(None)
 
     def _forget_prefixes(self) -> None:

@@ -99,6 +99,10 @@ class KVConnector(Protocol):
         """The KV cache blocks are read from and written to (None while the engine sleeps)."""
         ...
 
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the blocks saved so far are stored."""
+        ...
+
     def stats(self) -> OffloadStats: ...
 
     def close(self) -> None:

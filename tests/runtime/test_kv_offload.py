@@ -270,3 +270,16 @@ def test_two_engines_sharing_a_folder_find_each_others_blocks(tiny_model: Any, t
     assert again == tokens and hits == 40 and _disk(second).hits == 10
     first.close()
     second.close()
+
+
+def test_a_sleep_keeps_the_prefix_on_disk_and_new_weights_never_read_it(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    engine = _engine(*tiny_model, tmp_path / "kv")
+    tokens, _ = _greedy(engine, PROMPT)
+    engine.sleep(1)  # the pool is dropped; its blocks were handed to the disk first
+    engine.wake_up()
+    assert _greedy(engine, PROMPT) == (tokens, 40) and _disk(engine).hits == 10
+    engine.replace_executable(engine.executable, version=1)  # other weights: the chain starts elsewhere
+    assert _greedy(engine, PROMPT) == (tokens, 0) and _disk(engine).hits == 10
+    engine.close()
