@@ -15,7 +15,7 @@ import numpy as np
 from kiln.backends.base import Executable, KVCache, Logits, kv_cache_device, release_kv_cache
 from kiln.backends.lora_tables import lora_spec
 from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs, image_spans
-from kiln.runtime.block_pool import model_root_hash
+from kiln.runtime.block_pool import KVBlock, model_root_hash
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache_manager import KVCacheManager
@@ -139,8 +139,13 @@ class LLMEngine:
             )
         offload = open_offload(config, self.executable.kv_cache_spec, self.block_size)
         offload.bind(self.kv_cache)
-        self.kv.pool.on_evict = lambda block: offload.save([(block.block_id, block.block_hash or b"")])
+        self.kv.pool.on_evict = self._write_back_evicted
         return offload
+
+    def _write_back_evicted(self, block: KVBlock) -> None:
+        """A cached block the pool is about to reuse: to the offload tiers first (its K/V still there)."""
+        if self.offload is not None and block.block_hash is not None:
+            self.offload.save([(block.block_id, block.block_hash)])
 
     def offload_stats(self) -> OffloadStats | None:
         return self.offload.stats() if self.offload is not None else None

@@ -15,7 +15,8 @@ once its adapter has a slot (runtime/lora.py); while every slot is held, the que
 With a KV connector (kv_offload.py), a waiting sequence whose next full blocks are not in the pool but
 in a lower tier takes pool blocks for them and waits off the queue while the connector fills them (a
 loader thread; steps go on); then it is queued again at the front, and admitted on those blocks as
-prefix-cache hits. A sequence loads once: preempted later, it recomputes what the pool lost.
+prefix-cache hits. The connector is asked once a sequence (a miss stays a miss, and hashing a long prompt
+every step it waits would cost); preempted later, it recomputes what the pool lost.
 
 Policies (vLLM's `--scheduling-policy`): `fcfs` admits in arrival order; `priority` in order of the
 request's `priority` (smaller first, as vLLM), then arrival.
@@ -134,8 +135,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, _Loading] = {}  # by seq id: blocks being filled by the connector
-        self._loaded_once: set[str] = set()
-        self.num_loaded_tokens = 0  # tokens the connector filled blocks with
+        self._looked_up: set[str] = set()  # asked the connector once: not again
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0  # tokens of admitted sequences found in the prefix cache
         self.num_prefix_cache_queried_tokens = 0  # tokens of admitted sequences looked up there
@@ -164,7 +164,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks (a loading one's once its load ends:
         the loader is still writing them)."""
-        self._loaded_once.discard(seq.seq_id)
+        self._looked_up.discard(seq.seq_id)
         loading = self.loading.get(seq.seq_id)
         if loading is not None:
             loading.aborted = True
@@ -281,7 +281,7 @@ class Scheduler:
     def _start_load(self, seq: Sequence, cached: list[KVBlock]) -> bool:
         """Have the connector fill the blocks after the pool's `cached` hits that it holds; True where
         `seq` left the queue to wait for them."""
-        if self.connector is None or seq.seq_id in self._loaded_once or not self.kv.pool.enable_caching:
+        if self.connector is None or seq.seq_id in self._looked_up or not self.kv.pool.enable_caching:
             return False
         limit = self._max_cached_blocks(seq)
         first = len(cached)
@@ -289,10 +289,13 @@ class Scheduler:
             return False
         hashes = self.kv.prefix_hashes(seq.cache_key_ids, limit, seq.request.cache_salt)[first:]
         count = self.connector.available(hashes)
-        if count == 0 or not self.kv.allocate(seq.seq_id, (first + count) * self.kv.block_size, cached):
+        if count == 0:
+            self._looked_up.add(seq.seq_id)
             return False
+        if not self.kv.allocate(seq.seq_id, (first + count) * self.kv.block_size, cached):
+            return False  # asked again once blocks are free
         self.waiting.popleft()
-        self._loaded_once.add(seq.seq_id)
+        self._looked_up.add(seq.seq_id)
         block_ids = self.kv.block_table(seq.seq_id)[first : first + count]
         self.loading[seq.seq_id] = _Loading(seq, first, hashes[:count])
         self.connector.start_load(seq.seq_id, hashes[:count], block_ids)
@@ -308,7 +311,6 @@ class Scheduler:
                 continue
             if not loading.aborted:
                 self.kv.register_loaded(seq_id, loading.first, loading.hashes[:num_loaded])
-                self.num_loaded_tokens += num_loaded * self.kv.block_size
             self.kv.free(seq_id)
             if not loading.aborted:
                 self.add(loading.seq, front=True)
