@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 LAYOUT_VERSION = "kiln-kv-v1"
 SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
+_TMP_NAME = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.\d+\.tmp")
 
 
 @dataclass
@@ -157,13 +159,13 @@ class DiskTier:
             self._evict_beyond(self.capacity_blocks)
 
     def _remove_orphan(self, path: str, name: str) -> None:
-        """A temporary file (.HASH.PID.THREAD.tmp) whose writing process no longer runs."""
-        parts = name.split(".")
-        try:
-            pid = int(parts[2])
-            os.kill(pid, 0)
-        except (IndexError, ValueError):
+        """A temporary file of a writer (.HASH.PID.THREAD.tmp) whose process no longer runs; any other
+        file is left alone."""
+        match = _TMP_NAME.fullmatch(name)
+        if match is None:
             return
+        try:
+            os.kill(int(match.group(1)), 0)
         except ProcessLookupError:
             try:
                 os.unlink(path)

@@ -105,11 +105,12 @@ def test_a_dead_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path: Pat
     )
     dead = tier.path_of(_hash(2)).with_name(f".{_hash(2).hex()}.{int(gone.stdout)}.1.tmp")
     live = tier.path_of(_hash(3)).with_name(f".{_hash(3).hex()}.{os.getpid()}.1.tmp")
-    for path in (dead, live):
+    someone_elses = dead.with_name(f"notes.{int(gone.stdout)}.1.tmp")
+    for path in (dead, live, someone_elses):
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"half a block")
     restarted = _tier(tmp_path, 10)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and someone_elses.exists()
     assert restarted.contains(_hash(1)) and not restarted.contains(_hash(2))
 
 
