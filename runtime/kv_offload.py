@@ -69,7 +69,6 @@ def namespace_digest(identity: str, spec: KVCacheSpec, block_size: int) -> bytes
 @dataclass(frozen=True)
 class OffloadStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
-    pending_bytes: int = 0
     write_error: str | None = None
 
 
@@ -126,7 +125,6 @@ class TieredKVOffload:
         self._loads: queue.SimpleQueue[tuple[str, list[BlockHash], list[int]] | None] = queue.SimpleQueue()
         self._pending: set[BlockHash] = set()  # queued for the disk, not written yet
         self._pending_bytes = 0
-        self._dropped = 0
         self._lock = threading.Lock()
         self._done: dict[str, int] = {}
         self._done_event = threading.Event()
@@ -207,7 +205,7 @@ class TieredKVOffload:
                 payload = read_block(kv_cache, block_id)
             with self._lock:
                 if self._pending_bytes + payload.nbytes > self.max_pending_bytes:
-                    self._dropped += 1
+                    disk.stats.failures["dropped"] += 1
                     continue
                 self._pending.add(block_hash)
                 self._pending_bytes += payload.nbytes
@@ -242,9 +240,7 @@ class TieredKVOffload:
 
     def stats(self) -> OffloadStats:
         tiers = {tier.name: tier.stats.copy() for tier in self.tiers}
-        if self.disk is not None and self._dropped:
-            tiers[self.disk.name].failures["dropped"] += self._dropped
-        return OffloadStats(tiers, self._pending_bytes, self.disk.write_error if self.disk else None)
+        return OffloadStats(tiers, self.disk.write_error if self.disk else None)
 
     def close(self) -> None:
         self.flush()
