@@ -16,6 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kiln.backends.lora_tables import lora_spec
 from kiln.compiler.options import ModelOptions, OptionsError, check_artifact_options
 from kiln.frontend.pull import kiln_home
@@ -33,6 +36,7 @@ from kiln.runtime.kv_offload import KVOffloadConfig, default_disk_bytes
 from kiln.runtime.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterReader, LoRAConfig, LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.pooling import PoolingParams, PoolingType
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerConfig, SchedulingPolicy
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
@@ -149,7 +153,8 @@ class LLM:
     engine's limits (`max_loras` adapters in one step, of rank up to `max_lora_rank`, with enable_lora).
     `kv_offload_dir`: a folder that keeps prefix-cache blocks across restarts (at most `kv_offload_size`
     bytes; default: 16 GiB or half the disk's free space); `kv_offload_cpu_size`: bytes of host RAM that
-    keep blocks evicted from a KV cache on a GPU."""
+    keep blocks evicted from a KV cache on a GPU. `pooling`: how `embed` pools, "last" or "mean"
+    (default: the model's own, else "last")."""
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class LLM:
         kv_offload_dir: str | Path | None = None,
         kv_offload_size: int | None = None,
         kv_offload_cpu_size: int = 0,
+        pooling: PoolingType | None = None,
         show_progress: bool = True,
         **options: Any,
     ) -> None:
@@ -193,6 +199,7 @@ class LLM:
             ),
             speculative=speculative,
             kv_offload=self._kv_offload(kv_offload_dir, kv_offload_size, kv_offload_cpu_size),
+            pooling=pooling or self.artifact.pooling or "last",
         )
         self.engine = LLMEngine(
             self.artifact.executable,
@@ -275,6 +282,24 @@ class LLM:
             self.engine.add_request(request_id, prompt, params, images=images, lora_request=lora)
         finished = {output.request_id: output for output in self.engine.run_to_completion()}
         return [finished[request_id] for request_id in ids]
+
+    def embed(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[npt.NDArray[np.float32]]:
+        """Each prompt (a text or token ids) as one vector: its final hidden states pooled as the engine's
+        `pooling` says, the first `dimensions` values kept, scaled to unit length with `normalize`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = PoolingParams(self.engine.config.pooling, normalize, dimensions)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.engine.add_request(request_id, prompt, pooling=params)  # type: ignore[arg-type]
+        finished = {output.request_id: output for output in self.engine.run_to_completion()}
+        return [finished[request_id].embedding for request_id in ids]  # type: ignore[misc]
 
     def engine_prompt(self, prompt: Prompt) -> tuple[str | Sequence[int], list[ImageEmbedding]]:
         """A prompt as the engine takes it, with its images embedded; a ValueError for a dict it cannot

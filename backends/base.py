@@ -224,6 +224,25 @@ class Executable(Protocol):
         ...
 
 
+Hidden = npt.NDArray[np.float32]  # [rows, hidden] on the host: what `embed` returns
+
+
+class Embedder(Protocol):
+    """An executable with the `embed` entry point (passes/embed.py): the step up to the LM head."""
+
+    embedding_size: int  # the width of its rows (the model's hidden size)
+
+    def embed(self, inputs: StepInputs, kv_cache: KVCache) -> Hidden:
+        """The final hidden states [L, hidden] (after the last norm) of the `logits_indices` rows, float32,
+        on the host; K/V written as `step` writes them."""
+        ...
+
+
+def embedder(executable: Executable) -> Embedder | None:
+    """`executable` where it can embed (its `embeds` is true), else None."""
+    return executable if getattr(executable, "embeds", False) else None  # type: ignore[return-value]
+
+
 class ImageEncoder(Protocol):
     """A loaded image encoder (a vision-language model's second entry point, `encode_image`)."""
 

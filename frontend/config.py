@@ -20,6 +20,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    # bare decoders, as embedding models are saved (Qwen3-Embedding, gte-Qwen2, e5-mistral)
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SLIDING_LAYER = "sliding_attention"  # HF `layer_types`
@@ -86,6 +91,9 @@ class ModelConfig:
     image_rows: bool = False
     # and each image's tokens attend to one another both ways: its `visible_ends` input (Gemma 3)
     bidirectional_images: bool = False
+    # an embedding model's pooling, "last" or "mean" (sentence-transformers' Pooling module, GGUF's
+    # pooling_type); None: a generative model (embeddings then default to "last")
+    pooling: str | None = None
 
     @property
     def family(self) -> str:

@@ -204,6 +204,10 @@ def hf_architecture(reader: gguf.GGUFReader, where: str) -> str:
     return GGUF_ARCHITECTURES[arch]
 
 
+# llama.cpp's enum llama_pooling_type: the ones a decoder's embeddings take here (none, cls, rank: not)
+GGUF_POOLING_TYPES = {1: "mean", 3: "last"}
+
+
 def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (and the tensor list, for ties and biases)."""
     architecture = hf_architecture(reader, where)
@@ -253,6 +257,7 @@ def config_from_gguf(reader: gguf.GGUFReader, where: str) -> ModelConfig:
         **(_gemma3_fields(reader, arch, int(key("block_count")), head_dim) if family == "gemma3" else {}),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_token_ids(reader),
+        pooling=GGUF_POOLING_TYPES.get(int(optional("pooling_type") or 0)),
     )
 
 

@@ -34,6 +34,7 @@ def load_hf_dir(path: Path) -> ModelSource:
             f"{path}: not a directory", hint="pass a HF checkpoint directory holding config.json"
         )
     config = _with_generation_eos(read_config(path), path)
+    config = dataclasses.replace(config, pooling=sentence_transformers_pooling(path))
     raw_weights = read_weights(path)
     tokenizer = tokenizer_info_from_hf_dir(path)
     vision = None
@@ -66,7 +67,10 @@ def load_hf_weights(path: Path) -> tuple[ModelConfig, dict[str, Weight]]:
 
 
 def text_weights(config: ModelConfig, raw_weights: dict[str, Weight]) -> dict[str, Weight]:
-    """HF-named weights as the model definition names them."""
+    """HF-named weights as the model definition names them (a bare decoder's, saved without the causal LM
+    around it as embedding models are, under `model.`)."""
+    if not any(name.startswith("model.") for name in raw_weights) and "norm.weight" in raw_weights:
+        raw_weights = {f"model.{name}": weight for name, weight in raw_weights.items()}
     weights = adapt_hf_weights(config, raw_weights)
     if config.tie_word_embeddings:
         # Some checkpoints save the tied head too; a tied model has no lm_head of its own.
@@ -86,6 +90,35 @@ def read_config(path: Path) -> ModelConfig:
     if family is not None:
         raw = family.text_config(raw, str(config_file))
     return config_from_hf(raw, str(config_file))
+
+
+ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def sentence_transformers_pooling(path: Path) -> str | None:
+    """The pooling of a sentence-transformers model folder (modules.json naming a Pooling module whose
+    config sets one of ST_POOLING_MODES); None for a folder without one. Another mode (CLS, max) is an
+    error: this runtime does not pool so."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{modules_file}: cannot read JSON ({error})", hint="corrupt file") from None
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(".Pooling"):
+            pooling_file = path / str(module.get("path", "")) / "config.json"
+            modes = _read_json(pooling_file)
+            chosen = [name for name, value in modes.items() if name.startswith("pooling_mode_") and value]
+            if len(chosen) == 1 and chosen[0] in ST_POOLING_MODES:
+                return ST_POOLING_MODES[chosen[0]]
+            raise ModelLoadError(
+                f"{pooling_file}: pooling {', '.join(chosen) or 'none'} is not supported",
+                hint="kiln pools by the last token or the mean (pooling_mode_lasttoken, "
+                "pooling_mode_mean_tokens)",
+            )
+    return None
 
 
 def _vision_language_family(config: dict[str, Any]) -> Any:

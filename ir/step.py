@@ -25,6 +25,9 @@ STEP_INPUT_TYPES: dict[str, TensorType] = {
     "logits_indices": TensorType("i64", ("L",)),
 }
 KV_CACHE_INPUT = "kv_cache"
+# The second entry point: the step up to the LM head, returning the final hidden states [L, hidden] of the
+# logits_indices rows (passes/embed.py), for embeddings.
+EMBED = "embed"
 # A vision-language model's step also takes image_rows [E, hidden] (float32): a token id of V + e (V the
 # vocabulary size) stands for row e, an image's embedding placed where its placeholder token was.
 IMAGE_ROWS_INPUT = "image_rows"

@@ -38,6 +38,7 @@ from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
 from kiln.errors import KilnError
 from kiln.ir.vision import VisionSpec
+from kiln.runtime.pooling import PoolingType
 from kiln.runtime.tensor_parallel import CompiledRanks, TensorParallelExecutable, run_worker, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.runtime.vision import VisionModel
@@ -136,6 +137,11 @@ class LoadedArtifact:
     def vocab_size(self) -> int:
         """The LM head's rows: the width of the logits."""
         return int(self.manifest["model"]["config"]["vocab_size"])
+
+    @property
+    def pooling(self) -> PoolingType | None:
+        """An embedding model's own pooling (None: a generative model's artifact, or one from before)."""
+        return self.manifest["model"]["config"].get("pooling")
 
     @property
     def target_entry(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from kiln.runtime.live_weights import (
 )
 from kiln.runtime.lora import LoRAError, LoRARequest
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.pooling import PoolingParams, PoolingType
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput
 from kiln.runtime.speculative.decoder import SpeculativeStats
 from kiln.runtime.tokenizer import Tokenizer
@@ -136,6 +137,15 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return self._engine.scheduler.config.max_num_seqs
 
+    @property
+    def pooling(self) -> PoolingType:
+        """How an embedding request pools (EngineConfig.pooling)."""
+        return self._engine.config.pooling
+
+    def check_embeds(self) -> int:
+        """The width of the model's embeddings; a ValueError where it cannot embed (LLMEngine)."""
+        return self._engine.check_embeds()
+
     def check_priority(self, priority: int) -> None:
         """A ValueError for a priority the scheduling policy would ignore; reads only the settings."""
         self._engine.scheduler.config.check_priority(priority)
@@ -167,10 +177,11 @@ class AsyncEngine:
         priority: int = 0,
         images: Seq[ImageEmbedding] = (),
         lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are made, the last one with `finished` set. `images`: a
         vision-language model's, embedded (runtime/vision.py), in prompt order. `lora_request`: a
-        registered adapter's (`add_lora`).
+        registered adapter's (`add_lora`). `pooling`: an embedding request (one output, its vector).
 
         Raises ValueError at once (before yielding) for a prompt or parameters that cannot be served.
         """
@@ -196,7 +207,9 @@ class AsyncEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         self._submit(
             lambda: self._add_or_hold(
-                lambda: self._add(request_id, prompt_text, token_ids, params, priority, images, lora_request)
+                lambda: self._add(
+                    request_id, prompt_text, token_ids, params, priority, images, lora_request, pooling
+                )
             )
         )
         finished = False
@@ -235,13 +248,14 @@ class AsyncEngine:
         priority: int,
         images: Seq[ImageEmbedding],
         lora_request: LoRARequest | None,
+        pooling: PoolingParams | None,
     ) -> None:
         if request_id not in self._streams:  # its client left while it was held by a pause
             return
         try:
             if lora_request is not None and self.find_lora(lora_request.lora_name) is None:
                 raise ValueError(f"model {lora_request.lora_name!r}: the adapter was unloaded")
-            self._engine.add_request(request_id, token_ids, params, priority, images, lora_request)
+            self._engine.add_request(request_id, token_ids, params, priority, images, lora_request, pooling)
             if prompt is not None:
                 self._engine.requests[request_id].prompt = prompt
         except (ValueError, LoRAError) as error:  # an adapter unloaded since the request was checked

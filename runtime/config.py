@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kiln.backends.base import KVCacheSpec
 from kiln.runtime.kv_offload import KVOffloadConfig
+from kiln.runtime.pooling import POOLING_TYPES, PoolingType
 from kiln.runtime.scheduler import SchedulerConfig
 from kiln.runtime.speculative import SpeculativeConfig
 
@@ -32,8 +33,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     kv_offload: KVOffloadConfig | None = None  # lower tiers of the prefix cache (kv_offload.py)
+    pooling: PoolingType = "last"  # how an embedding request pools, unless it says (runtime/pooling.py)
 
     def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.backends.base import Executable, KVCache, Logits, kv_cache_device, release_kv_cache
+from kiln.backends.base import Executable, KVCache, Logits, embedder, kv_cache_device, release_kv_cache
 from kiln.backends.lora_tables import lora_spec
 from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs, image_spans
 from kiln.runtime.block_pool import KVBlock, model_root_hash
@@ -22,6 +22,7 @@ from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.kv_offload import KVConnector, OffloadStats, open_offload
 from kiln.runtime.lora import AdapterReader, AdapterSlots, LoRAConfig, LoRAError, LoRARequest
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kiln.runtime.pooling import EMBEDDING_PARAMS, PooledRows, PoolingParams
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
@@ -295,14 +296,17 @@ class LLMEngine:
                 f"raise max_num_batched_tokens to at least {len(token_ids)}, enable chunked prefill, or "
                 f"shorten the prompt"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        capacity = self.kv.pool.num_usable * self.block_size
+        # no max_tokens: up to the end of the context, or of the KV cache where that is smaller
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else min(room, capacity - len(token_ids))
+        )
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                 f"({self.max_model_len}); lower max_tokens to at most {room}"
             )
-        capacity = self.kv.pool.num_usable * self.block_size
-        if len(token_ids) + max_tokens > capacity:
+        if max_tokens < 1 or len(token_ids) + max_tokens > capacity:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache's "
                 f"{capacity} tokens; lower max_tokens or give the cache more memory"
@@ -317,10 +321,20 @@ class LLMEngine:
         priority: int = 0,
         images: Seq[ImageEmbedding] = (),
         lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; `priority` orders it under the priority scheduling policy (smaller first)
         and must stay 0 under fcfs. `images`: a vision-language model's, in prompt order (`place_images`
-        says where their rows go). `lora_request`: its adapter (registered now where it is new)."""
+        says where their rows go). `lora_request`: its adapter (registered now where it is new).
+        `pooling`: an embedding request: the prompt runs through the executable's `embed` and its output
+        carries the pooled vector, no tokens (`params` is then ignored)."""
+        if pooling is not None:
+            width = self.check_embeds()
+            if pooling.dimensions is not None and pooling.dimensions > width:
+                raise ValueError(
+                    f"dimensions must be <= the model's hidden size {width}, got {pooling.dimensions}"
+                )
+            params = EMBEDDING_PARAMS
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -344,6 +358,7 @@ class LLMEngine:
             images=prompt_images,
             lora_name=adapter.request.lora_name if adapter is not None else None,
             cache_salt=adapter.cache_salt if adapter is not None else None,
+            pooled=PooledRows(pooling) if pooling is not None else None,
         )
         if self.adapters is not None:
             self.adapters.requests_by_adapter[request.lora_name or ""] += 1
@@ -371,6 +386,17 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(token_ids)
         self.scheduler.add(request.sequences[0])
         self._held[request_id] = request.sequences[1:]
+
+    def check_embeds(self) -> int:
+        """The width of the model's embeddings; a ValueError where the served executable has no `embed`
+        entry point."""
+        embedding_model = embedder(self.executable)
+        if embedding_model is None:
+            raise ValueError(
+                "this model cannot embed: its artifact has no `embed` function (the ONNX Runtime and "
+                "TensorRT backends, tensor parallelism, and artifacts compiled before kiln had one lack it)"
+            )
+        return embedding_model.embedding_size
 
     def place_images(
         self, prompt: str | Seq[int], images: Seq[ImageEmbedding]
@@ -433,24 +459,24 @@ class LLMEngine:
         if self.spec_decoder is not None:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
-        slices = [self._slice(chunk) for chunk in scheduled.chunks]
-        inputs = build_step_inputs(
-            slices, self.block_size, self.image_row_base, self.bidirectional_images, self.adapters is not None
-        )
-        if self.adapters is not None:
-            inputs = replace(inputs, lora_tables=self.adapters.tables)
-        started = time.perf_counter()
         if self.kv_cache is None:
             raise RuntimeError("the engine is asleep: wake it up before stepping")
-        logits = self.executable.step(inputs, self.kv_cache)
+        pooling = [chunk for chunk in scheduled.chunks if chunk.seq.request.pooled is not None]
+        generating = [chunk for chunk in scheduled.chunks if chunk.seq.request.pooled is None]
+        started = time.perf_counter()
+        touched: dict[str, Request] = {}
+        if pooling:
+            self._pool(pooling, touched)
+        slices = [self._slice(chunk) for chunk in generating]
+        logits = self.executable.step(self._step_inputs(slices), self.kv_cache) if generating else None
         self.scheduler.step_cost.observe(
             scheduled.decode_rows, scheduled.num_prefill_tokens, time.perf_counter() - started
         )
-        touched: dict[str, Request] = {}
         to_sample: list[tuple[Sequence, int]] = []
         to_verify: list[tuple[Sequence, int, int]] = []
         row = 0
-        for chunk, piece in zip(scheduled.chunks, slices, strict=True):
+        for chunk, piece in zip(generating, slices, strict=True):
+            assert logits is not None
             seq = chunk.seq
             num_drafts = chunk.num_drafts
             sampled_rows = 1 + num_drafts if chunk.completes_known_tokens else 0
@@ -468,19 +494,66 @@ class LLMEngine:
                 to_sample.append((seq, row))
             row += sampled_rows
         if to_sample:
+            assert logits is not None
             self._sample_and_update(logits, to_sample, touched)
         for seq, first_row, num_drafts in to_verify:
+            assert logits is not None
             self._verify(seq, logits[first_row : first_row + num_drafts + 1], num_drafts, touched)
         if self.spec_decoder is not None:
             self.spec_decoder.end_step(scheduled.chunks)
         return [self._output(request) for request in touched.values()]
 
-    def _slice(self, chunk: ScheduledChunk) -> SequenceSlice:
+    def _step_inputs(self, slices: list[SequenceSlice]) -> StepInputs:
+        inputs = build_step_inputs(
+            slices, self.block_size, self.image_row_base, self.bidirectional_images, self.adapters is not None
+        )
+        if self.adapters is not None:
+            inputs = replace(inputs, lora_tables=self.adapters.tables)
+        return inputs
+
+    def _pool(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
+        """Embedding requests' prompt chunks through `embed`; a request whose prompt has run ends with
+        its pooled vector."""
+        embedding_model = embedder(self.executable)
+        assert embedding_model is not None and self.kv_cache is not None
+        slices = [self._slice(chunk, self._pooled_rows(chunk)) for chunk in chunks]
+        hidden = embedding_model.embed(self._step_inputs(slices), self.kv_cache)
+        row = 0
+        for chunk, piece in zip(chunks, slices, strict=True):
+            seq, pooled = chunk.seq, chunk.seq.request.pooled
+            assert pooled is not None
+            pooled.add(chunk.start, hidden[row : row + len(piece.logits_at)])
+            row += len(piece.logits_at)
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.stats.num_computed_tokens += chunk.num_new_tokens
+            self._cache_full_blocks(seq, write_through=True)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            seq.request.embedding = pooled.result()
+            seq.finish_reason, seq.status = "stop", SequenceStatus.FINISHED
+            self._states[seq.seq_id].detokenizer.finish()
+            self.scheduler.remove(seq)
+            touched[seq.request.request_id] = seq.request
+
+    @staticmethod
+    def _pooled_rows(chunk: ScheduledChunk) -> list[int]:
+        """The chunk's rows whose hidden states its request's pooling reads."""
+        pooled = chunk.seq.request.pooled
+        assert pooled is not None
+        if pooled.params.needs_every_row:
+            return list(range(chunk.num_new_tokens))
+        return [chunk.num_new_tokens - 1] if chunk.completes_known_tokens else []
+
+    def _slice(self, chunk: ScheduledChunk, rows: list[int] | None = None) -> SequenceSlice:
+        """`rows`: the chunk's rows to read out (None: those its sampling and prompt logprobs need)."""
         seq = chunk.seq
         end = chunk.start + chunk.num_new_tokens
-        logits_at = [p - chunk.start for p in self._prompt_logprob_positions(seq, chunk.start, end)]
-        if chunk.completes_known_tokens:
-            logits_at += range(chunk.num_new_tokens - 1 - chunk.num_drafts, chunk.num_new_tokens)
+        if rows is not None:
+            logits_at = rows
+        else:
+            logits_at = [p - chunk.start for p in self._prompt_logprob_positions(seq, chunk.start, end)]
+            if chunk.completes_known_tokens:
+                logits_at += range(chunk.num_new_tokens - 1 - chunk.num_drafts, chunk.num_new_tokens)
         tokens = (seq.all_token_ids + seq.draft_token_ids)[chunk.start : end]
         table = self.kv.block_table(seq.seq_id)
         images = seq.request.images
@@ -648,6 +721,7 @@ class LLMEngine:
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             num_cached_tokens=first.num_cached_tokens,
             weight_version=self.weight_version,
+            embedding=request.embedding,
         )
 
     def run_to_completion(self) -> list[RequestOutput]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 # token id → log-probability: the chosen token and the requested number of top alternatives.
 TokenLogprobs = dict[int, float]
 
@@ -39,3 +42,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None: no logprob for token 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     weight_version: int = 0  # the weights every token of this request came from (runtime/live_weights.py)
+    embedding: npt.NDArray[np.float32] | None = None  # an embedding request's vector, once finished

@@ -271,8 +271,11 @@ class Scheduler:
 
     def _max_cached_blocks(self, seq: Sequence) -> int:
         """The most full blocks `seq` may take computed: one token is left to compute, and no position
-        whose prompt logprob is still missing is skipped."""
+        whose prompt logprob (or, for mean pooling, hidden state) is still missing is skipped."""
         limit = (seq.num_tokens - 1) // self.kv.block_size
+        pooled = seq.request.pooled
+        if pooled is not None and pooled.params.needs_every_row:
+            return 0
         collected = seq.request.prompt_logprobs
         if collected is not None and seq.index == 0:
             limit = min(limit, (len(collected) - 1) // self.kv.block_size)

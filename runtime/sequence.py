@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.runtime.outputs import TokenLogprobs
+from kiln.runtime.pooling import Embedding, PooledRows
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -103,6 +104,8 @@ class Request:
     images: PromptImages | None = None
     lora_name: str | None = None  # its LoRA adapter (runtime/lora.py), None for the base model
     cache_salt: str | None = None  # keys its prefix-cache blocks apart from other adapters' (the adapter's)
+    pooled: PooledRows | None = None  # an embedding request's pooling (runtime/pooling.py); no sampling
+    embedding: Embedding | None = None  # its result, once the prompt has run
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,8 @@
 <target>/step.so     the compiled `step` and, on the CPU, `decode` (Relax VM executable and its kernels;
                      no weights)
 <target>/step.json   the weight parameters and their layouts, the KV cache spec, target details, the
-                     functions in step.so, the optional inputs they take (image_rows: its width;
+                     functions in step.so (`embed`: how many of the params it takes, the first ones),
+                     the optional inputs they take (image_rows: its width;
                      visible_ends: whether; lora: the LoRA tables' LoRASpec fields, or null; an
                      artifact from before a field takes none)
 """
@@ -147,6 +148,8 @@ class TVMBackend:
             "num_threads": settings.num_threads,
             "params": [spec.to_dict() for spec in lowered.params],
             "functions": lowered.functions,
+            "embed_params": lowered.embed_params,
+            "embed_width": lowered.embed_width,
             "kv_cache": kv_cache_fields(program.graph),
             "image_rows": image_rows_width(program.graph),
             "visible_ends": takes_visible_ends(program.graph),
@@ -207,6 +210,8 @@ class TVMBackend:
             kv_cache_spec(description["kv_cache"]),
             description["device"],
             description.get("functions", ["step"]),
+            embed_params=description.get("embed_params"),
+            embedding_size=description.get("embed_width"),
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
             image_rows=description.get("image_rows"),
             visible_ends=description.get("visible_ends", False),

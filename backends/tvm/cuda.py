@@ -236,6 +236,8 @@ def compile_cuda(
         },
         "params": result["params"],
         "functions": result["functions"],
+        "embed_params": result.get("embed_params"),
+        "embed_width": result.get("embed_width"),
         "kv_cache": kv_cache,
         "image_rows": image_rows_width(program.graph),
         "visible_ends": takes_visible_ends(program.graph),

@@ -290,6 +290,8 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         "params": [spec.to_dict() for spec in lowered.params],
         "kernels": {**fused, **lowered.kernel_origins},
         "functions": lowered.functions,
+        "embed_params": lowered.embed_params,
+        "embed_width": lowered.embed_width,
         "nvcc_flags": nvcc_calls[-1]["flags"],
         "ptx": with_ptx,
         "seconds": times,

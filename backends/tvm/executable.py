@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits, check_kv_cache_device
+from kiln.backends.base import BackendError, Hidden, KVCache, KVCacheSpec, Logits, check_kv_cache_device
 from kiln.backends.lora_tables import LoRASpec, LoRATables, with_lora_inputs
 from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
-from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, IndexArray, StepInputs
+from kiln.ir.step import EMBED, LORA_A_PREFIX, LORA_B_PREFIX, IndexArray, StepInputs
 
 if TYPE_CHECKING:
     import torch
@@ -228,8 +228,11 @@ class TVMExecutable:
         image_rows: int | None = None,
         visible_ends: bool = False,
         lora: LoRASpec | None = None,
+        embed_params: int | None = None,
+        embedding_size: int | None = None,
     ) -> None:
-        """`image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
+        """`embed_params`: how many of the weights `embed` takes (None: the library has no `embed`).
+        `image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
         IMAGE_ROWS_INPUT), None for a text model. `visible_ends`: the step takes visible_ends
         (VISIBLE_ENDS_INPUT); a step given none gets each row's position + 1. `lora`: the LoRA tables
         the step takes (ir/step.py LORA_*), None for a step compiled without; a step given none runs
@@ -266,6 +269,10 @@ class TVMExecutable:
 
                 self._no_image_rows = torch.from_numpy(self._no_image_rows).to(device)
         self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
+        has_embed = EMBED in (functions or []) and embed_params is not None
+        self.embed_function = self.vm[EMBED] if has_embed else None
+        self.embed_params = embed_params or 0
+        self.embedding_size = embedding_size or 0
         self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
         self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
         for spec, weight in zip(params, self._weights, strict=True):
@@ -427,9 +434,9 @@ class TVMExecutable:
         if self.graphs is not None:
             self.graphs.captured.clear()
 
-    def call(self, tensors: list[Any], kv_cache: KVCache, image_rows: Any = None) -> Any:
-        """Run `decode` (one row block) or `step` on `step_tensors`' arrays (host) or their uploads;
-        `image_rows` for a vision-language model (none given: an empty one)."""
+    def call(self, tensors: list[Any], kv_cache: KVCache, image_rows: Any = None, embed: bool = False) -> Any:
+        """Run `decode` (one row block) or `step` (or with `embed`, `embed`) on `step_tensors`' arrays
+        (host) or their uploads; `image_rows` for a vision-language model (none given: an empty one)."""
         ffi = self.ffi
         *inputs, row_counts = tensors
         if self._cache_arg is None or self._cache_arg[0] is not kv_cache:
@@ -444,11 +451,39 @@ class TVMExecutable:
         packed += [ffi.from_dlpack(a) for a in inputs[STEP_INPUTS:]]  # visible_ends, lora_slots: where taken
         packed += self._lora_args  # the step's LoRA tables (the empty ones unless `step` was given some)
         packed.append(ffi.from_dlpack(row_counts))
+        if embed:
+            return self.embed_function(*packed, *self._weight_args[: self.embed_params])
         one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         return function(*packed, *self._weight_args)
 
-    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
+    @property
+    def embeds(self) -> bool:
+        return self.embed_function is not None
+
+    def embed(self, inputs: StepInputs, kv_cache: KVCache) -> Hidden:
+        """The final hidden states of the `logits_indices` rows (backends.base.Embedder)."""
+        if self.embed_function is None:
+            raise BackendError(
+                "this artifact has no `embed` function (compiled before kiln had one, or for tensor "
+                "parallelism)",
+                hint="compile the model again with this version of kiln",
+            )
+        self._check_cache(kv_cache)
+        num_rows = inputs.logits_indices.shape[0]
+        inputs = self.with_lora(inputs)
+        if self.device == "cuda":
+            import torch
+
+            rows = None if inputs.image_rows is None else torch.from_numpy(inputs.image_rows).to(self.device)
+            tensors = self.upload(self.step_tensors(inputs))
+            hidden = torch.from_dlpack(self.call(tensors, kv_cache, rows, embed=True))
+            return hidden[:num_rows].to("cpu", torch.float32).numpy()
+        tensors = self._host_buffers.tensors(inputs)
+        hidden = np.from_dlpack(self.call(tensors, kv_cache, inputs.image_rows, embed=True))[:num_rows]
+        return hidden.astype(np.float32)
+
+    def _check_cache(self, kv_cache: KVCache) -> None:
         check_kv_cache_device(kv_cache, self.device)
         if ir_dtype_of(kv_cache) != self.kv_cache_spec.dtype:
             raise BackendError(
@@ -460,6 +495,9 @@ class TVMExecutable:
             raise BackendError(
                 "kv_cache must be contiguous and 64-byte aligned (allocate it with kv_cache_spec.allocate)"
             )
+
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
+        self._check_cache(kv_cache)
         num_logits = inputs.logits_indices.shape[0]
         inputs = self.with_lora(inputs)
         if self.device == "cuda":

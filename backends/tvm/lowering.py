@@ -56,7 +56,8 @@ from kiln.backends.tvm.lowerer import (
 )
 from kiln.backends.tvm.lowering_registry import LOWERINGS
 from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, VISIBLE_ENDS_INPUT, Graph, TensorType
-from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT
+from kiln.ir.step import EMBED, LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT
+from kiln.passes.embed import embed_graph
 
 DECODE_BLOCKS = 1  # tq and lq of `decode`
 ENCODE_IMAGE = "encode_image"
@@ -77,6 +78,8 @@ class LoweredStep:
     params: list[ParamSpec]
     kernel_origins: dict[str, str]
     functions: list[str]
+    embed_params: int | None = None  # `embed` takes the first this many of `params`
+    embed_width: int | None = None  # the width of `embed`'s rows (the hidden size)
 
 
 def _padded(tensor_type: TensorType) -> bool:
@@ -182,7 +185,37 @@ def lower_graph(
         if decode_lw.param_specs != lw.param_specs:
             raise BackendError("tvm: `decode` and `step` lowered to different weight parameters")
         functions.append("decode")
-    return LoweredStep(lw.builder.get(), lw.param_specs, lw.kernel_origins, functions)
+    embedded = _lower_embed(lw, graph)
+    if embedded is not None:
+        functions.append(EMBED)
+    embed_params, embed_width = embedded or (None, None)
+    return LoweredStep(
+        lw.builder.get(), lw.param_specs, lw.kernel_origins, functions, embed_params, embed_width
+    )
+
+
+def _lower_embed(lw: Lowerer, graph: Graph) -> tuple[int, int] | None:
+    """`embed` (passes/embed.py: the step up to the LM head; symbolic row blocks, `step`'s kernels): how
+    many of `step`'s weight parameters it takes (the first ones) and its rows' width; None for a graph
+    with no LM head."""
+    hidden_graph = embed_graph(graph)
+    if hidden_graph is None:
+        return None
+    embed_lw = Lowerer(
+        hidden_graph,
+        lw.target_kind,
+        lw.schedule,
+        builder=lw.builder,
+        kernels=lw.kernels,
+        kernel_origins=lw.kernel_origins,
+        int_dot=lw.int_dot,
+        activation_bits=lw.activation_bits,
+    )
+    _lower_function(embed_lw, EMBED, None)
+    taken = len(embed_lw.param_specs)
+    if embed_lw.param_specs != lw.param_specs[:taken]:
+        raise BackendError("tvm: `embed` does not take the first of `step`'s weight parameters")
+    return taken, int(hidden_graph.outputs[0].type.shape[-1])
 
 
 def lower_encoder(graph: Graph, target_kind: str, schedule: Schedule) -> LoweredStep:

@@ -668,3 +668,10 @@ def test_metadata_that_does_not_fit_the_tensors(tmp_path: Path) -> None:
         ModelLoadError, match=r"q_proj\.weight has 64 rows, but the metadata's heads × head_dim is 32"
     ):
         load_gguf(path)
+
+
+@pytest.mark.parametrize(("pooling_type", "pooling"), [(None, None), (1, "mean"), (3, "last"), (2, None)])
+def test_pooling_type_is_read(tmp_path: Path, pooling_type: int | None, pooling: str | None) -> None:
+    metadata = {} if pooling_type is None else {"llama.pooling_type": pooling_type}
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_weights(tied=False), metadata=metadata)
+    assert load_gguf(path).config.pooling == pooling

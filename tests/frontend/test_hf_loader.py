@@ -167,3 +167,30 @@ def test_unsupported_architecture(tmp_path: Path, tokenizer_files: Path) -> None
 def test_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not a directory"):
         load_hf_dir(tmp_path / "absent")
+
+
+def _sentence_transformers_folder(path: Path, modes: dict[str, bool]) -> Path:
+    modules = [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 8, **modes}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("modes", "pooling"),
+    [({"pooling_mode_lasttoken": True}, "last"), ({"pooling_mode_mean_tokens": True}, "mean")],
+)
+def test_sentence_transformers_pooling_is_read(tmp_path: Path, modes: dict[str, bool], pooling: str) -> None:
+    from kiln.frontend.hf_loader import sentence_transformers_pooling
+
+    assert sentence_transformers_pooling(tmp_path) is None
+    assert sentence_transformers_pooling(_sentence_transformers_folder(tmp_path, modes)) == pooling
+
+
+def test_a_pooling_kiln_does_not_do_is_refused_by_name(tmp_path: Path) -> None:
+    from kiln.frontend.hf_loader import sentence_transformers_pooling
+
+    folder = _sentence_transformers_folder(tmp_path, {"pooling_mode_cls_token": True})
+    with pytest.raises(ModelLoadError, match="pooling pooling_mode_cls_token is not supported"):
+        sentence_transformers_pooling(folder)

@@ -188,10 +188,11 @@ def _add_fails_with(error: Exception) -> type[LLMEngine]:
             priority: int = 0,
             images: Seq[Any] = (),
             lora_request: Any = None,
+            pooling: Any = None,
         ) -> None:
             if request_id == "boom":
                 raise error
-            super().add_request(request_id, prompt, params, priority, images, lora_request)
+            super().add_request(request_id, prompt, params, priority, images, lora_request, pooling)
 
     return AddFails
 

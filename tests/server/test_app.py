@@ -32,10 +32,11 @@ class _AddFailsWhenArmed(LLMEngine):
         priority: int = 0,
         images: Sequence[Any] = (),
         lora_request: Any = None,
+        pooling: Any = None,
     ) -> None:
         if self.armed:
             raise RuntimeError("injected fault admitting a request")
-        super().add_request(request_id, prompt, params, priority, images, lora_request)
+        super().add_request(request_id, prompt, params, priority, images, lora_request, pooling)
 
 
 async def _until(condition: Callable[[], bool]) -> None:
