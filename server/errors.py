@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong; on
+Anthropic's routes (/v1/messages…) in Anthropic's: `{"type": "error", "error": {"type", "message"}}`, the
+message naming the field, with the same status.
 
 Every invalid field is a 400 that names the field in `param` (FastAPI's 422 is mapped here), a missing
 or wrong key 401, an unknown model 404, a body over the size limit 413, too many waiting requests 503.
@@ -18,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from kiln.server.protocol import ErrorInfo, ErrorResponse
 
@@ -28,6 +31,8 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 OVERLOADED = "overloaded_error"
+
+ANTHROPIC_ROUTES = "/v1/messages"
 
 # pydantic names union members and some constraints in an error's location; they are not fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
@@ -56,9 +61,43 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
+    def anthropic_body(self) -> dict[str, Any]:
+        message = self.message
+        if self.param is not None and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": self.anthropic_type(), "message": message}}
+
+    def anthropic_type(self) -> str:
+        if self.type == OVERLOADED:
+            return OVERLOADED
+        by_status = {401: AUTHENTICATION, 404: NOT_FOUND, 413: "request_too_large"}
+        return by_status.get(self.status, INVALID_REQUEST if self.status < 500 else "api_error")
+
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == HTTPStatus.UNAUTHORIZED else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _ErrorResponse(self)
+
+
+class _ErrorResponse(JSONResponse):
+    """An APIError in the shape of the API whose route was asked for, chosen when it is sent: the
+    middleware that answers before routing (the API key, the body limit) passes only the scope."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+        super().__init__(error.body(), status_code=error.status, headers=self._headers())
+
+    def _headers(self) -> dict[str, str] | None:
+        return {"WWW-Authenticate": "Bearer"} if self.error.status == HTTPStatus.UNAUTHORIZED else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if is_anthropic_route(scope.get("path", "")):
+            anthropic = JSONResponse(self.error.anthropic_body(), self.status_code, self._headers())
+            await anthropic(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+def is_anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(f"{ANTHROPIC_ROUTES}/")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -88,7 +127,7 @@ def not_found_model(model: str) -> APIError:
 def unauthorized() -> APIError:
     return APIError(
         HTTPStatus.UNAUTHORIZED,
-        "Missing or incorrect API key; send it as `Authorization: Bearer <key>`.",
+        "Missing or incorrect API key; send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.",
         AUTHENTICATION,
         code="invalid_api_key",
     )
