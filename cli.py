@@ -6,12 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError, UsageError
+from kiln.runtime.pooling import POOLING_TYPES
 from kiln.runtime.scheduler import SCHEDULING_POLICIES
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.tool_parsers import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from kiln.server.router import ModelEntry
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -139,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kiln.runtime.async_engine import AsyncEngine
     from kiln.server.run import run_server
 
-    if _torchrun_worker(args):
+    several = _several_models(args)
+    if several is None and _torchrun_worker(args):
         return 0
 
     if args.max_waiting is not None and args.max_waiting < 0:
@@ -148,25 +153,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})"
         )
-    sizes = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_step_ms": args.max_step_ms,
-        "kv_cache_memory": args.kv_cache_memory,
-        "num_blocks": args.num_kv_blocks,
-        "max_loras": args.max_loras,
-        "max_lora_rank": args.max_lora_rank,
-        "kv_offload_dir": args.kv_offload_dir,
-        "kv_offload_size": args.kv_offload_size,
-        "kv_offload_cpu_size": args.kv_offload_cpu_size,
-    }
+    if several is not None:
+        return _serve_several(args, several)
     logging.basicConfig(level=logging.WARNING, format="kiln: %(levelname)s %(name)s: %(message)s")
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
         **_model_options(args),
-        **{name: value for name, value in sizes.items() if value is not None},
+        **_engine_sizes(args),
     )
     engine = llm.engine
     _load_lora_modules(llm, args)
@@ -195,6 +190,190 @@ def _serve(args: argparse.Namespace) -> int:
     )
     llm.close()
     return 0
+
+
+def _engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's limits (and embeddings' pooling) given on the command line, as `kiln.LLM` keywords."""
+    sizes = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_step_ms": args.max_step_ms,
+        "kv_cache_memory": args.kv_cache_memory,
+        "num_blocks": args.num_kv_blocks,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "kv_offload_dir": args.kv_offload_dir,
+        "kv_offload_size": args.kv_offload_size,
+        "kv_offload_cpu_size": args.kv_offload_cpu_size,
+        "pooling": args.pooling,
+    }
+    return {name: value for name, value in sizes.items() if value is not None}
+
+
+def model_entries(texts: list[str]) -> list[ModelEntry]:
+    """`kiln serve`'s MODEL arguments as the models they serve: `NAME=MODEL` names one; a known model is
+    named by its name, a file by its stem, a folder by its name; a folder holding artifact folders serves
+    each of them. A UsageError for a model that is not there or a name given twice."""
+    entries: list[ModelEntry] = []
+    for text in texts:
+        entries += _entries_of(text)
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise UsageError(f"two models are served as {entry.name!r}: name one of them with NAME=MODEL")
+        seen.add(entry.name)
+    return entries
+
+
+def _entries_of(text: str) -> list[ModelEntry]:
+    from kiln.frontend.pull import KNOWN_MODELS
+    from kiln.server.router import ModelEntry
+
+    name, source = None, text
+    if "=" in text and not Path(text).expanduser().exists():
+        name, _, source = text.partition("=")
+        if not name or not source:
+            raise UsageError(f"{text!r}: give MODEL or NAME=MODEL")
+    path = Path(source).expanduser()
+    if not path.exists():
+        if source in KNOWN_MODELS:
+            return [ModelEntry(name or source, source)]
+        raise UsageError(
+            f"{source}: no such model file or directory, and not a known model name",
+            hint=f"known models: {', '.join(KNOWN_MODELS)}",
+        )
+    artifacts = artifact_folders(path)
+    if artifacts and name is not None:
+        raise UsageError(f"{text!r}: {source} holds several artifact folders; name them one by one")
+    if artifacts:
+        return [ModelEntry(folder.name, str(folder)) for folder in artifacts]
+    return [ModelEntry(name or (path.stem if path.is_file() else path.resolve().name), source)]
+
+
+def artifact_folders(path: Path) -> list[Path]:
+    """The artifact folders a folder holds (none for an artifact, a file or a model's own folder)."""
+    from kiln.runtime.artifact import is_artifact
+
+    if not path.is_dir() or is_artifact(path):
+        return []
+    return sorted(child for child in path.iterdir() if is_artifact(child))
+
+
+def _several_models(args: argparse.Namespace) -> list[ModelEntry] | None:
+    """The models of `kiln serve A B ...` (server/router.py's ModelEntry); None for one model, whose
+    args.model (and --served-model-name, from NAME=MODEL) become that model's, as one model is served."""
+    (text, *more) = args.model
+    named = "=" in text and not Path(text).expanduser().exists()
+    several = more or named or artifact_folders(Path(text).expanduser())
+    entries = model_entries(args.model) if several else []
+    if len(entries) > 1:
+        return entries
+    if args.max_loaded_models is not None:
+        raise UsageError("--max-loaded-models applies to a server of several models")
+    if entries:
+        (entry,) = entries
+        if named and args.served_model_name is not None:
+            raise UsageError(f"{text!r} names the model already: give NAME=MODEL or --served-model-name")
+        args.served_model_name = args.served_model_name or entry.name
+        text = entry.source
+    args.model = text
+    return None
+
+
+def _serve_several(args: argparse.Namespace, entries: list[ModelEntry]) -> int:
+    """Serve several models from one port, each loaded on its first request (server/router.py)."""
+    import logging
+
+    from kiln.runtime.tensor_parallel import torchrun_rank
+    from kiln.server.body_limit import default_max_request_bytes
+    from kiln.server.router import ModelRouter
+    from kiln.server.run import run_router
+
+    refused = {
+        "--served-model-name": args.served_model_name is not None,
+        "--lora-modules": bool(args.lora_modules),
+        "--allow-runtime-lora-updating": args.allow_runtime_lora_updating,
+        "--enable-weight-updates": args.enable_weight_updates,
+        "torchrun": torchrun_rank() is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise UsageError(
+                f"{flag} serves one model; this server serves several",
+                hint="name each model with NAME=MODEL" if flag == "--served-model-name" else None,
+            )
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise UsageError(f"--max-loaded-models must be at least 1, got {args.max_loaded_models}")
+    logging.basicConfig(level=logging.WARNING, format="kiln: %(levelname)s %(name)s: %(message)s")
+    router = ModelRouter(entries, _model_loader(args), max_loaded_models=args.max_loaded_models)
+    bound = f"at most {args.max_loaded_models} loaded at once" if args.max_loaded_models else "no bound"
+    print(
+        f"kiln: serving {len(entries)} models on http://{args.host}:{args.port}: "
+        f"{', '.join(f'{e.name} ({e.source})' for e in entries)}; each loads on its first request ({bound})",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_router(
+        router,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        log_level=args.uvicorn_log_level,
+        max_request_bytes=args.max_request_bytes or default_max_request_bytes(args.max_model_len or 0),
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return 0
+
+
+def _model_loader(args: argparse.Namespace) -> Any:
+    """How the router loads one of its models: as `kiln serve MODEL` loads its one, with the same flags."""
+    options = _model_options(args)  # checked now, before any model loads
+    media = _media_limits(args)
+    sizes = _engine_sizes(args)
+
+    def load(entry: Any) -> Any:
+        from kiln.llm import LLM, describe
+        from kiln.runtime.async_engine import AsyncEngine
+        from kiln.server.app import create_app
+        from kiln.server.router import ServedModel
+
+        llm = LLM(
+            entry.source,
+            max_model_len=args.max_model_len,
+            scheduling_policy=args.scheduling_policy,
+            **options,
+            **sizes,
+        )
+        engine = AsyncEngine(llm.engine)
+
+        def close() -> None:
+            engine.shutdown()
+            llm.close()
+
+        try:
+            app = create_app(
+                engine,
+                entry.name,
+                None,  # the router checks the API key
+                args.max_waiting,
+                max_request_bytes=args.max_request_bytes,
+                auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                reasoning_parser=args.reasoning_parser,
+                media=media,
+            )
+        except BaseException:
+            close()
+            raise
+        print(
+            f"kiln: {entry.name} is {llm.artifact.model_name} ({describe(llm.artifact)}; max_model_len "
+            f"{engine.max_model_len:,}, max_num_seqs {llm.engine.scheduler.config.max_num_seqs}; "
+            f"KV cache {llm.kv_cache})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ServedModel(app, engine, close)
+
+    return load
 
 
 def _weight_source(llm: Any) -> Any:
@@ -575,7 +754,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("model", help="a known model name, a .gguf file or a HF model directory")
+    serve.add_argument(
+        "model",
+        nargs="+",
+        metavar="MODEL",
+        help="a known model name, a .gguf file, a HF model directory or an artifact folder; several (or a "
+        "folder of artifact folders) are served from one port, each under its name (NAME=MODEL names it; "
+        "default: the known name, or the file's or folder's name) and loaded on its first request",
+    )
+    serve.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with several models, keep at most N loaded: loading another unloads the least recently used "
+        "idle one (default: no limit)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the API")
@@ -650,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         default=None,
         help="split the reply's <think>...</think> into reasoning_content: deepseek_r1, qwen3",
+    )
+    serve.add_argument(
+        "--pooling",
+        choices=POOLING_TYPES,
+        default=None,
+        help="how /v1/embeddings pools the final hidden states: last (token) or mean (default: the "
+        "model's own pooling, else last)",
     )
     serve.add_argument(
         "--allowed-local-media-path",

@@ -1,4 +1,4 @@
-"""Serve an engine with uvicorn until SIGTERM or Ctrl-C.
+"""Serve an engine (or several models' router, server/router.py) with uvicorn until SIGTERM or Ctrl-C.
 
 On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and lets the requests in flight finish for
 up to `shutdown_timeout` seconds, then cancels the rest (a stuck request cannot hold the server up); the
@@ -12,10 +12,13 @@ import signal
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from kiln.runtime.async_engine import AsyncEngine
 from kiln.runtime.live_weights import WeightSource
-from kiln.server.app import create_app
+from kiln.server.app import APIKeyMiddleware, create_app
+from kiln.server.body_limit import MIN_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from kiln.server.router import ModelRouter
 from kiln.server.serving_engine import MediaLimits
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,40 @@ def run_server(
         allow_lora_updates=allow_lora_updates,
         weights=weights,
     )
+    try:
+        _serve_until_stopped(app, host, port, log_level, shutdown_timeout)
+    finally:
+        engine.shutdown()
+    logger.info("kiln serve: stopped")
+
+
+def run_router(
+    router: ModelRouter,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    max_request_bytes: int = MIN_MAX_REQUEST_BYTES,
+    shutdown_timeout: float = 30.0,
+) -> None:
+    """Serve several models (server/router.py) as `run_server` serves one; the API key and the body-size
+    limit are checked before the router reads a body. Every loaded model is closed at the end."""
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    app: ASGIApp = BodyLimitMiddleware(router, max_request_bytes)
+    if api_key:
+        app = APIKeyMiddleware(app, api_key)
+    try:
+        _serve_until_stopped(app, host, port, log_level, shutdown_timeout)
+    finally:
+        router.close()
+    logger.info("kiln serve: stopped")
+
+
+def _serve_until_stopped(app: ASGIApp, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
     config = uvicorn.Config(
         app,
         host=host,
@@ -77,5 +114,3 @@ def run_server(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        engine.shutdown()
-    logger.info("kiln serve: stopped")
