@@ -2,7 +2,8 @@
 
     app = create_app(AsyncEngine(llm_engine), "my-model", api_key=None, max_waiting=None)
 
-With an API key, every route but /health and /metrics needs `Authorization: Bearer <key>`; the check
+With an API key, every route but /health and /metrics needs `Authorization: Bearer <key>` (or
+Anthropic's `x-api-key: <key>`); the check
 runs before the body is read, so a request without the key is a 401 whatever its body. A body over
 `max_request_bytes` is a 413 (see body_limit.py).
 """
@@ -33,16 +34,24 @@ from kiln.server.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsRequest,
 )
+from kiln.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from kiln.server.protocol_embeddings import EmbeddingRequest
+from kiln.server.protocol_responses import ResponsesRequest
+from kiln.server.response_store import ResponseStore
 from kiln.server.serving_chat import OpenAIServingChat
 from kiln.server.serving_completions import OpenAIServingCompletion
+from kiln.server.serving_embeddings import OpenAIServingEmbedding
 from kiln.server.serving_engine import Admission, MediaLimits
 from kiln.server.serving_lora import OpenAIServingLoRA
+from kiln.server.serving_messages import AnthropicServingMessages
+from kiln.server.serving_responses import OpenAIServingResponses
 from kiln.server.serving_tokenize import OpenAIServingTokenization
 from kiln.server.serving_weights import ServingWeights
+from kiln.server.strict_json import StrictJSONRoute
 
 UNPROTECTED_PATHS = frozenset({"/health", "/metrics"})
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def _state(request: Request) -> State:
@@ -71,7 +80,7 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 # only with --allow-runtime-lora-updating (create_app's allow_lora_updates)
-lora_router = APIRouter()
+lora_router = APIRouter(route_class=StrictJSONRoute)
 
 
 @lora_router.post("/v1/load_lora_adapter")
@@ -85,7 +94,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
 
 
 # only with --enable-weight-updates (create_app's weights)
-weights_router = APIRouter()
+weights_router = APIRouter(route_class=StrictJSONRoute)
 
 
 @weights_router.post("/update_weights_from_disk")
@@ -140,9 +149,35 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await _state(request).completions.create(body, request)
 
 
+@router.post("/v1/embeddings")
+async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+    return await _state(request).embeddings.create(body, request)
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     return await _state(request).chat.create(body, request)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    return await _state(request).responses.create(body, request)
+
+
+# async, as the store is read and written on the event loop alone
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).responses.delete(response_id))
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    return await _state(request).messages.create(body, request)
 
 
 # Plain functions: FastAPI runs them on a worker thread, so tokenizing a long text and rendering a long
@@ -159,12 +194,19 @@ def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse(_state(request).tokenization.detokenize(body).model_dump())
 
 
+@router.post("/v1/messages/count_tokens")
+def count_message_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).messages.count_tokens(body).model_dump())
+
+
 class APIKeyMiddleware:
-    """401 for a request without `Authorization: Bearer <key>`, before routing or reading the body."""
+    """401 for a request without `Authorization: Bearer <key>` or `x-api-key: <key>`, before routing or
+    reading the body."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -172,8 +214,11 @@ class APIKeyMiddleware:
             and scope["path"] not in UNPROTECTED_PATHS
             and scope["method"] != "OPTIONS"
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer, key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            if not (
+                hmac.compare_digest(bearer, self.expected) or hmac.compare_digest(key, self.expected_key)
+            ):
                 await unauthorized().response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -215,10 +260,13 @@ def create_app(
     state.chat = OpenAIServingChat(engine, served_model_name, admission, server_metrics, media)
     state.chat.auto_tool_parser = auto_tool_parser
     state.chat.reasoning_parser = reasoning_parser
+    state.responses = OpenAIServingResponses(state.chat, ResponseStore())
+    state.messages = AnthropicServingMessages(state.chat)
     state.tokenization = OpenAIServingTokenization(
         engine, served_model_name, admission, server_metrics, media
     )
     state.lora = OpenAIServingLoRA(engine, served_model_name)
+    state.embeddings = OpenAIServingEmbedding(engine, served_model_name, admission, server_metrics)
     app.include_router(router)
     if allow_lora_updates:
         app.include_router(lora_router)

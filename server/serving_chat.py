@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
@@ -41,24 +41,23 @@ from kiln.server.protocol import (
 from kiln.server.reasoning import ReasoningStream, reasoning_tokens, reply_parser
 from kiln.server.reasoning import split as split_reasoning
 from kiln.server.serving_engine import (
-    ClientDisconnected,
+    CLIENT_LEFT,
     OpenAIServing,
     Prepared,
-    engine_error,
-    final_outputs,
+    event_stream,
     finite,
     sse,
     sse_errors,
     started,
-    until_disconnect,
     weight_version_header,
+    whole_outputs,
 )
 from kiln.server.tool_parsers import ParsedCall, ToolCallStream
 from kiln.server.tools import ToolPlan, call_id, plan
 
 
 @dataclasses.dataclass
-class _ChatPrepared:
+class ChatPrepared:
     prepared: Prepared
     tools: ToolPlan
     reasoning_parser: str | None  # how this reply's reasoning reads (reasoning.reply_parser)
@@ -69,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
     reasoning_parser: str | None = None  # the --reasoning-parser
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        chat = await asyncio.to_thread(self._prepare, request)
+        chat = await asyncio.to_thread(self.prepare, request)
         prepared, tools, parser = chat.prepared, chat.tools, chat.reasoning_parser
         hold = self.admit([prepared])
         request_id = self.request_id("chatcmpl")
@@ -79,23 +78,17 @@ class OpenAIServingChat(OpenAIServing):
             firsts, (stream,) = await started([stream], hold)
             body = sse_errors(self._stream(request, tools, parser, request_id, created, stream), hold)
             hold.release_with(body)
-            return StreamingResponse(
-                body, media_type="text/event-stream", headers=weight_version_header(firsts)
-            )
-        try:
-            (final,) = await until_disconnect(raw_request, final_outputs([stream]))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as error:
-            raise engine_error(error) from None
-        finally:
-            hold.release()
+            return event_stream(body, firsts)
+        outputs = await whole_outputs(raw_request, [stream], hold)
+        if outputs is None:
+            return Response(status_code=CLIENT_LEFT)
+        (final,) = outputs
         return JSONResponse(
-            self._response(request, tools, parser, request_id, created, final).model_dump(),
+            self.response(request, tools, parser, request_id, created, final).model_dump(),
             headers=weight_version_header([final]),
         )
 
-    def _prepare(self, request: ChatCompletionRequest) -> _ChatPrepared:
+    def prepare(self, request: ChatCompletionRequest) -> ChatPrepared:
         """Templated, tokenized and checked; run off the event loop (long messages take a while)."""
         lora = self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
@@ -129,9 +122,9 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.reasoning_parser
         if parser is not None:
             parser = reply_parser(parser, prepared.params.reasoning, token_ids)
-        return _ChatPrepared(prepared, tools, parser)
+        return ChatPrepared(prepared, tools, parser)
 
-    def _response(
+    def response(
         self,
         request: ChatCompletionRequest,
         tools: ToolPlan,

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.server.errors import bad_request
@@ -26,18 +26,17 @@ from kiln.server.protocol import (
     UsageInfo,
 )
 from kiln.server.serving_engine import (
-    ClientDisconnected,
+    CLIENT_LEFT,
     OpenAIServing,
     Prepared,
-    engine_error,
-    final_outputs,
+    event_stream,
     finite,
     merge,
     sse,
     sse_errors,
     started,
-    until_disconnect,
     weight_version_header,
+    whole_outputs,
 )
 
 
@@ -58,17 +57,10 @@ class OpenAIServingCompletion(OpenAIServing):
             firsts, streams = await started(streams, hold)
             body = sse_errors(self._stream(request, request_id, created, prompts, streams), hold)
             hold.release_with(body)
-            return StreamingResponse(
-                body, media_type="text/event-stream", headers=weight_version_header(firsts)
-            )
-        try:
-            finals = await until_disconnect(raw_request, final_outputs(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as error:
-            raise engine_error(error) from None
-        finally:
-            hold.release()
+            return event_stream(body, firsts)
+        finals = await whole_outputs(raw_request, streams, hold)
+        if finals is None:
+            return Response(status_code=CLIENT_LEFT)
         return JSONResponse(
             self._response(request, request_id, created, prompts, finals).model_dump(),
             headers=weight_version_header(finals),

@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kiln.errors import KilnError
@@ -30,6 +31,7 @@ from kiln.runtime.live_weights import EngineAsleepError
 from kiln.runtime.lora import LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.pooling import PoolingParams
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.structured_output import GrammarError
 from kiln.runtime.vision import ImageEmbedding, place_images
@@ -116,6 +118,7 @@ class Prepared:
     priority: int = 0
     images: list[ImageEmbedding] = field(default_factory=list)  # their placeholders expanded in the ids
     lora: LoRARequest | None = None  # the adapter the request's `model` names
+    pooling: PoolingParams | None = None  # an embedding request's (no tokens are sampled)
 
 
 class OpenAIServing:
@@ -325,6 +328,7 @@ class OpenAIServing:
             prepared.priority,
             prepared.images,
             prepared.lora,
+            prepared.pooling,
         )
         try:
             async for output in stream:
@@ -399,6 +403,29 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tup
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def whole_outputs(
+    raw_request: Request, streams: Sequence[AsyncIterator[RequestOutput]], hold: Hold
+) -> list[RequestOutput] | None:
+    """Each stream's last output (a request answered whole); None where the client left first (the
+    caller answers 499). An engine error becomes the request's; the seats are released either way."""
+    try:
+        return await until_disconnect(raw_request, final_outputs(streams))
+    except ClientDisconnected:
+        return None
+    except Exception as error:
+        raise engine_error(error) from None
+    finally:
+        hold.release()
+
+
+def event_stream(body: AsyncIterator[str], firsts: Sequence[RequestOutput]) -> StreamingResponse:
+    """An SSE response of `body`, naming the weights of its first outputs."""
+    return StreamingResponse(body, media_type="text/event-stream", headers=weight_version_header(firsts))
+
+
+CLIENT_LEFT = 499  # the status logged for a request whose client went away before its answer
 
 
 async def until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
