@@ -22,6 +22,10 @@ def _check(ok: bool, name: str, allowed: str, value: object) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+MIN_REPETITION_PENALTY = 1e-5  # below it, dividing float32 logits by the penalty overflows
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the generated text (vLLM's structured outputs): its `kind` (STRUCTURED_KINDS)
@@ -138,7 +142,12 @@ class SamplingParams:
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        _check(
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+            "repetition_penalty",
+            f"in [{MIN_REPETITION_PENALTY}, 2]",
+            self.repetition_penalty,
+        )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None:
@@ -153,4 +162,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing float32 logits by it overflows (vLLM's cut)."""
+        return self.temperature < GREEDY_BELOW

@@ -468,3 +468,11 @@ def test_bad_input_is_refused() -> None:
         apply_top_p(logits, [0.0, 1.0])
     with pytest.raises(ValueError, match="next_token_ids"):
         prompt_logprobs(logits, [0, VOCAB], num_top=1)
+
+
+def test_a_temperature_too_small_for_float32_samples_greedily() -> None:
+    logits = np.array([[0.5, 2.0, 1.0]], dtype=np.float32)
+    (chosen,) = sample(logits, [SequenceSampling(SamplingParams(temperature=1e-308), make_generator(0))])
+    assert chosen.token_id == 1
+    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+        SamplingParams(repetition_penalty=1e-308)

@@ -213,3 +213,19 @@ def test_an_image_for_a_text_only_model_names_the_part(api_server) -> None:
         assert "takes text only" in response.json()["error"]["message"]
     models = httpx.get(f"{api_server.url}/v1/models", timeout=10).json()["data"]
     assert models[0]["input_modalities"] == ["text"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"model": "\\ud800", "prompt": "Hi", "max_tokens": 1}',  # an escaped lone surrogate
+        b'{"model": "\xed\xa0\x80", "prompt": "Hi", "max_tokens": 1}',  # its raw (invalid UTF-8) bytes
+        b'{"prompt": "Hi \xff", "max_tokens": 1}',  # not UTF-8
+    ],
+)
+def test_a_body_that_is_not_utf8_text_is_400(api_server, content: bytes) -> None:
+    response = api_server.post(
+        "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert "not valid JSON" in response.json()["error"]["message"]
