@@ -52,6 +52,9 @@ class _SequenceState:
     constraint: Constraint | None = None  # the structured output's matcher
 
 
+_NO_ROWS: Logits = np.empty((0, 0), np.float32)  # a step whose batch holds only embedding requests
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -468,7 +471,7 @@ class LLMEngine:
         if pooling:
             self._pool(pooling, touched)
         slices = [self._slice(chunk) for chunk in generating]
-        logits = self.executable.step(self._step_inputs(slices), self.kv_cache) if generating else None
+        logits = self.executable.step(self._step_inputs(slices), self.kv_cache) if generating else _NO_ROWS
         self.scheduler.step_cost.observe(
             scheduled.decode_rows, scheduled.num_prefill_tokens, time.perf_counter() - started
         )
@@ -476,7 +479,6 @@ class LLMEngine:
         to_verify: list[tuple[Sequence, int, int]] = []
         row = 0
         for chunk, piece in zip(generating, slices, strict=True):
-            assert logits is not None
             seq = chunk.seq
             num_drafts = chunk.num_drafts
             sampled_rows = 1 + num_drafts if chunk.completes_known_tokens else 0
@@ -494,10 +496,8 @@ class LLMEngine:
                 to_sample.append((seq, row))
             row += sampled_rows
         if to_sample:
-            assert logits is not None
             self._sample_and_update(logits, to_sample, touched)
         for seq, first_row, num_drafts in to_verify:
-            assert logits is not None
             self._verify(seq, logits[first_row : first_row + num_drafts + 1], num_drafts, touched)
         if self.spec_decoder is not None:
             self.spec_decoder.end_step(scheduled.chunks)
