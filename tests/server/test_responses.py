@@ -135,7 +135,9 @@ def test_reasoning_items_with_a_reasoning_parser(start_app) -> None:
 
 def test_a_failure_mid_stream_is_response_failed(start_app, make_tiny_engine) -> None:
     app = start_app(make_tiny_engine(fail_at_step=3))
-    events = _events(_post(app, {"input": "w1 w2", "max_output_tokens": 8, "stream": True}))
+    # greedy: the same tokens each run, and no EOS before the failing step
+    body = {"input": "w1 w2", "max_output_tokens": 8, "temperature": 0, "stream": True}
+    events = _events(_post(app, body))
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.failed"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
