@@ -20,12 +20,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
-    # bare decoders, as embedding models are saved (Qwen3-Embedding, gte-Qwen2, e5-mistral)
+}
+# bare decoders, as embedding models are saved (Qwen3-Embedding, gte-Qwen2, e5-mistral): no LM head
+BARE_DECODERS: dict[str, str] = {
     "LlamaModel": "llama",
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
+SUPPORTED_ARCHITECTURES.update(BARE_DECODERS)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SLIDING_LAYER = "sliding_attention"  # HF `layer_types`
 

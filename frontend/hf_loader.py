@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from kiln.errors import ModelLoadError
 from kiln.frontend import gemma3, idefics3, llava
-from kiln.frontend.config import ModelConfig, config_from_hf
+from kiln.frontend.config import BARE_DECODERS, ModelConfig, config_from_hf
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import ModelSource, Weight
 from kiln.frontend.vision import with_images
@@ -36,6 +36,10 @@ def load_hf_dir(path: Path) -> ModelSource:
     config = _with_generation_eos(read_config(path), path)
     config = dataclasses.replace(config, pooling=sentence_transformers_pooling(path))
     raw_weights = read_weights(path)
+    headless = not any(name.endswith("lm_head.weight") for name in raw_weights)
+    if config.architecture in BARE_DECODERS and headless:
+        # an embedding model saved without its head: its embedding table stands in (for logits only)
+        config = dataclasses.replace(config, tie_word_embeddings=True)
     tokenizer = tokenizer_info_from_hf_dir(path)
     vision = None
     raw_config = _read_json(path / "config.json")

@@ -194,3 +194,20 @@ def test_a_pooling_kiln_does_not_do_is_refused_by_name(tmp_path: Path) -> None:
     folder = _sentence_transformers_folder(tmp_path, {"pooling_mode_cls_token": True})
     with pytest.raises(ModelLoadError, match="pooling pooling_mode_cls_token is not supported"):
         sentence_transformers_pooling(folder)
+
+
+def test_a_bare_decoder_without_a_head_loads_tied(tmp_path: Path, tokenizer_files: Path) -> None:
+    """An embedding model saved as transformers' Qwen2Model (gte-Qwen2's way): no `model.` prefix, no
+    lm_head, tie_word_embeddings false; its embedding table stands in for the head."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2Model(transformers.Qwen2Config(**(TINY | {"tie_word_embeddings": False})))
+    model.save_pretrained(tmp_path)
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    source = load_hf_dir(tmp_path)
+    assert source.config.architecture == "Qwen2Model" and source.config.tie_word_embeddings
+    want = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    assert set(source.weights) == set(want)
+    assert all(torch.equal(source.weights[name], tensor) for name, tensor in want.items())
