@@ -1,6 +1,7 @@
 """`kiln.LLM.embed` against transformers: a tiny random-weight Qwen3-Embedding-style model (a bare
 decoder saved with sentence-transformers' last-token Pooling and Normalize modules) on the reference and
-TVM backends, and SmolLM2's GGUF (a generative model, mean pooling) on TVM."""
+TVM backends, and pooled by the mean on request. SmolLM2's GGUF is checked through the server
+(tests/server/test_embeddings.py)."""
 
 from __future__ import annotations
 
@@ -89,12 +90,12 @@ def test_an_embedding_model_pools_its_last_token_like_transformers(
     assert np.allclose(unnormalized, reference, rtol=1e-3, atol=1e-4)
 
 
-def test_smollm2_mean_pooling_matches_transformers(smollm2_gguf_path: Path, smollm2_hf: Any) -> None:
-    llm = LLM(str(smollm2_gguf_path), pooling="mean", show_progress=False)
-    texts = ["Kiln compiles a model once.", "A longer sentence, to pool over more tokens than the first."]
-    vectors = llm.embed(texts)
-    tokenizer = llm.get_tokenizer()
-    for text, vector in zip(texts, vectors, strict=True):
-        ids = tokenizer.encode(text)
-        reference = _transformers_hidden(smollm2_hf.model, ids).mean(axis=0)
+def test_mean_pooling_matches_transformers(tiny_embedding_dir: Path) -> None:
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(tiny_embedding_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_embedding_dir)
+    llm = LLM(str(tiny_embedding_dir), backend="reference", pooling="mean", show_progress=False)
+    for text, vector in zip(TEXTS, llm.embed(TEXTS), strict=True):
+        reference = _transformers_hidden(model, tokenizer(text)["input_ids"]).mean(axis=0)
         assert _cosine(vector, reference) > 1 - COSINE_TOLERANCE
