@@ -75,6 +75,21 @@ class Lowerer:
     int_dot: int_dot.Isa | None = None  # the CPU's integer dot-product variant (None: float kernels)
     activation_bits: int = 16  # the integer-dot kernels' activation quantization (int_dot.py)
 
+    def sibling(self, graph: Graph, decode_kernels: DecodeKernels | None = None) -> Lowerer:
+        """A lowerer of another function into the same module: fresh Relax vars and dims (a var may not be
+        shared by two functions), the same builder and kernels."""
+        return Lowerer(
+            graph,
+            self.target_kind,
+            self.schedule,
+            builder=self.builder,
+            kernels=self.kernels,
+            kernel_origins=self.kernel_origins,
+            decode_kernels=decode_kernels,
+            int_dot=self.int_dot,
+            activation_bits=self.activation_bits,
+        )
+
     def dim(self, dim: int | str) -> Any:
         if isinstance(dim, int):
             return dim

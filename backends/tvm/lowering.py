@@ -169,18 +169,7 @@ def lower_graph(
     _lower_function(lw, "step", None)
     functions = ["step"]
     if decode:
-        # fresh Relax vars and dims (a var may not be shared by two functions), shared kernels
-        decode_lw = Lowerer(
-            graph,
-            target_kind,
-            schedule,
-            builder=lw.builder,
-            kernels=lw.kernels,
-            kernel_origins=lw.kernel_origins,
-            decode_kernels=decode_kernels,
-            int_dot=int_dot_isa,
-            activation_bits=activation_bits,
-        )
+        decode_lw = lw.sibling(graph, decode_kernels)
         _lower_function(decode_lw, "decode", DECODE_BLOCKS)
         if decode_lw.param_specs != lw.param_specs:
             raise BackendError("tvm: `decode` and `step` lowered to different weight parameters")
@@ -201,16 +190,7 @@ def _lower_embed(lw: Lowerer, graph: Graph) -> tuple[int, int] | None:
     hidden_graph = embed_graph(graph)
     if hidden_graph is None:
         return None
-    embed_lw = Lowerer(
-        hidden_graph,
-        lw.target_kind,
-        lw.schedule,
-        builder=lw.builder,
-        kernels=lw.kernels,
-        kernel_origins=lw.kernel_origins,
-        int_dot=lw.int_dot,
-        activation_bits=lw.activation_bits,
-    )
+    embed_lw = lw.sibling(hidden_graph)
     _lower_function(embed_lw, EMBED, None)
     taken = len(embed_lw.param_specs)
     if embed_lw.param_specs != lw.param_specs[:taken]:
