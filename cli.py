@@ -387,7 +387,7 @@ def _weight_source(llm: Any) -> Any:
         raise UsageError(f"--enable-weight-updates: {error}", hint=error.hint) from None
 
     def refitter() -> Any:
-        from kiln.refit import Refitter
+        from kiln.compiler.refit import Refitter
 
         return Refitter(llm.artifact)
 
@@ -512,8 +512,8 @@ def _by_type(totals: dict[str, int]) -> str:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from kiln.build import build_program
     from kiln.compiler import ModelOptions, resolve
+    from kiln.compiler.build import build_program
 
     plan = resolve(ModelOptions.from_args(args))
     if len(plan.targets) != 1 or plan.targets[0].kind != "cpu":
@@ -661,8 +661,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if is_artifact(Path(args.model)):
         return _inspect_artifact(args)
-    from kiln.build import build_program
     from kiln.compiler import ModelOptions, resolve
+    from kiln.compiler.build import build_program
     from kiln.frontend.gguf_header import bytes_by_type
     from kiln.frontend.pull import resolve_model
     from kiln.ir import print_graph

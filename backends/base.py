@@ -312,7 +312,7 @@ class Backend(Protocol):
 
     def stored_weights(self, folder: Path) -> list[StoredWeight] | None:
         """The weights the compiled code in `folder` reads, as `compile` returned them (None: the
-        program's weights as they are); new weights are laid out by it (kiln/refit.py)."""
+        program's weights as they are); new weights are laid out by it (kiln/compiler/refit.py)."""
         ...
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:

@@ -134,7 +134,7 @@ def _code_digest(backend: str) -> str:
     import kiln
 
     root = Path(kiln.__file__).resolve().parent
-    parts = [root / p for p in ("frontend", "ir", "passes", "compiler.py", "build.py", "tuning_logs")]
+    parts = [root / p for p in ("frontend", "ir", "passes", "compiler", "tuning_logs")]
     parts += sorted((root / "backends").glob("*.py"))
     parts += [root / "backends" / name for name in _backend_packages(root, backend)]
     digest = hashlib.sha256()

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kiln.build import build_reference
+from kiln.compiler.build import build_reference
 from kiln.ir.step import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16

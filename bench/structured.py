@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import kiln
-    from kiln.build import runtime_tokenizer
+    from kiln.compiler.build import runtime_tokenizer
     from kiln.frontend.load import load_model
     from kiln.runtime.structured_output import Grammars
 

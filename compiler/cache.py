@@ -28,7 +28,7 @@ from kiln.version import __version__
 logger = logging.getLogger(__name__)
 
 CACHE_ENTRIES = 4  # compiled models kept in the cache (each can be hundreds of MB)
-_COMPILER_CODE = ("frontend", "ir", "passes", "backends", "compiler", "build.py")
+_COMPILER_CODE = ("frontend", "ir", "passes", "backends", "compiler")
 
 ProgressFor = Callable[
     [Path], AbstractContextManager[Progress | None]

@@ -1,6 +1,6 @@
 """The compile: a plan → an artifact folder, for one or more targets (see runtime/artifact.py).
 
-Stages: load, capture, passes (build.py, the one pipeline), then per target code generation (and its
+Stages: load, capture, passes (compiler/build.py, the one pipeline), then per target code generation (and its
 probe), then write. The same model and options give byte-identical folders: no timestamps, no absolute
 paths, sorted JSON. The folder is written beside `out` and swapped in whole (compiler/output.py).
 """
@@ -29,7 +29,7 @@ from kiln.backends.base import (
 )
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, mismatch
-from kiln.build import Progress, build_program, gguf_blocks, rank_programs
+from kiln.compiler.build import Progress, build_program, gguf_blocks, rank_programs
 from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import model_digest
@@ -189,7 +189,7 @@ def _compile_encoders(
 
 def _gguf_types(source: ModelSource, quantization: str | None) -> dict[str, Any]:
     """A GGUF-blocks artifact's block type of each quantized weight (by HF name), so that new float
-    weights can be quantized as the file was (kiln/refit.py)."""
+    weights can be quantized as the file was (kiln/compiler/refit.py)."""
     if quantization != "gguf":
         return {}
     return {"gguf_types": {name: blocks.ggml_type for name, blocks in sorted(gguf_blocks(source).items())}}

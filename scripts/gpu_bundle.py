@@ -109,7 +109,7 @@ def make_program(
     kv_cache_dtype: str | None = None,
 ) -> Any:
     """SmolLM2-shaped program with seeded random weights, after the O2 passes (as `kiln compile` does)."""
-    from kiln.build import PipelineOptions, optimize
+    from kiln.compiler.build import PipelineOptions, optimize
     from kiln.frontend.config import ModelConfig
     from kiln.frontend.models import model_class
 
@@ -129,7 +129,7 @@ def make_program(
 
 def meta_program(config_fields: dict[str, Any], dtype: str) -> Any:
     """`config_fields`' program after the O2 passes in `dtype`; its weights are meta tensors (shapes)."""
-    from kiln.build import PipelineOptions, optimize
+    from kiln.compiler.build import PipelineOptions, optimize
     from kiln.frontend.config import ModelConfig
     from kiln.frontend.models import model_class
 

@@ -242,7 +242,7 @@ def create_app(
     `max_request_bytes` None: `default_max_request_bytes` of the engine's max_model_len; `media`: where a
     request's images may come from and how many a prompt may hold (None: data: URLs, 8 images);
     `allow_lora_updates`: the routes that load and unload LoRA adapters at run time; `weights`: where
-    new weights come from (kiln.refit.Refitter): the routes that update them, pause and sleep.
+    new weights come from (kiln.compiler.refit.Refitter): the routes that update them, pause and sleep.
     """
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")

@@ -51,7 +51,7 @@ def smollm2_gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_built(smollm2_gguf_path: Path):
     """SmolLM2 loaded from its GGUF, captured, unoptimised (O0) on the reference backend: the oracle."""
-    from kiln.build import PipelineOptions, build_reference
+    from kiln.compiler.build import PipelineOptions, build_reference
 
     return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=0))
 

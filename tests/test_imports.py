@@ -11,7 +11,18 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # In the repository's folder but not in the package (setup.py keeps them out of the wheel too).
 NOT_PACKAGE = {"tests", "bench", "scripts", "docs", "examples", "build", "dist", "tuning_logs", "setup.py"}
-EVERY_LAYER = ("errors", "ir", "frontend", "passes", "backends", "runtime", "server", "root")
+EVERY_LAYER = (
+    "errors",
+    "support",
+    "ir",
+    "frontend",
+    "passes",
+    "backends",
+    "runtime",
+    "server",
+    "compiler",
+    "root",
+)
 
 
 @dataclass(frozen=True)
@@ -22,25 +33,19 @@ class Layer:
 
 LAYERS: dict[str, Layer] = {
     "errors": Layer(members=("errors",), may_import=()),
+    "support": Layer(members=("console", "version"), may_import=()),
     "ir": Layer(members=("ir",), may_import=("errors",)),
     "frontend": Layer(members=("frontend",), may_import=("ir", "errors")),
     "passes": Layer(members=("passes",), may_import=("ir", "errors")),
     "backends": Layer(members=("backends",), may_import=("ir", "passes", "errors")),
     "runtime": Layer(members=("runtime",), may_import=("ir", "backends", "errors")),
     "server": Layer(members=("server",), may_import=("runtime", "ir", "errors")),
+    "compiler": Layer(
+        members=("compiler",),
+        may_import=("errors", "support", "ir", "frontend", "passes", "backends", "runtime"),
+    ),
     "root": Layer(
-        members=(
-            "__init__",
-            "cli",
-            "build",
-            "compiler",
-            "llm",
-            "bundle",
-            "console",
-            "version",
-            "refit",
-            "weight_sync",
-        ),
+        members=("__init__", "cli", "serve_command", "llm", "bundle", "weight_sync"),
         may_import=EVERY_LAYER,
     ),
 }

@@ -1,4 +1,4 @@
-"""New weights through an artifact's own pipeline (kiln/refit.py): float (reference: transformers'
+"""New weights through an artifact's own pipeline (compiler/refit.py): float (reference: transformers'
 logits), int8 on TVM (the same bytes a compile of those weights gives), GGUF blocks (floats quantized by
 gguf-py as llama.cpp's converter does; a K-quant refused, named), and the weights refused by name,
 shape or completeness."""
@@ -16,11 +16,11 @@ import transformers
 from kiln.backends.base import BackendError, allocate_kv_cache
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.registry import get_backend
-from kiln.build import optimize
 from kiln.compiler import ModelOptions, compile_model, resolve
+from kiln.compiler.build import optimize
+from kiln.compiler.refit import Refitter
 from kiln.frontend.pull import kiln_home
 from kiln.ir.step import SequenceSlice, build_step_inputs
-from kiln.refit import Refitter
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.live_weights import WeightUpdateError
 from kiln.runtime.tensor_parallel import StagedRanks

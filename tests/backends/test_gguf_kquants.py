@@ -17,7 +17,7 @@ import torch
 from kiln.backends.base import CompileSettings
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
 from kiln.frontend.source import ModelSource, QuantizedTensor, TokenizerInfo

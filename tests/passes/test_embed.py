@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kiln.build import optimize
+from kiln.compiler.build import optimize
 from kiln.compiler.options import PipelineOptions
 from kiln.frontend.capture import capture_weights
 from kiln.ir import verify

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
 from kiln.ir import KV_CACHE_INPUT, Program

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.build import optimize
+from kiln.compiler.build import optimize
 from kiln.compiler.options import PipelineOptions
 from kiln.ir import verify
 from kiln.passes.lora import adapted_module

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.build import gguf_blocks
+from kiln.compiler.build import gguf_blocks
 from kiln.ir import Program
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline

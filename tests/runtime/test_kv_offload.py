@@ -14,7 +14,7 @@ import pytest
 
 from kiln.backends.base import Executable
 from kiln.backends.reference import ReferenceExecutable
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.kv_offload import KVOffloadConfig, TieredKVOffload

@@ -22,7 +22,7 @@ from tests.conftest import TINY_CONFIG
 @pytest.fixture(scope="module")
 def lora_executable() -> Any:
     from kiln.backends.reference import ReferenceExecutable
-    from kiln.build import optimize
+    from kiln.compiler.build import optimize
     from kiln.compiler.options import PipelineOptions
     from tests.conftest import tiny_weights
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.build import runtime_tokenizer
+from kiln.compiler.build import runtime_tokenizer
 from kiln.frontend.load import load_model
 from kiln.runtime.sampler import SequenceSampling, apply_token_bitmask, make_generator, sample
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput

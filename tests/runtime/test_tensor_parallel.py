@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.build import PipelineOptions, build_reference
 from kiln.compiler import ModelOptions, compile_model, resolve
+from kiln.compiler.build import PipelineOptions, build_reference
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine

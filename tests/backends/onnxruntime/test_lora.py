@@ -34,7 +34,7 @@ CACHE_BLOCKS = 10
 @pytest.fixture(scope="module")
 def compiled(tiny_llama, tmp_path_factory: pytest.TempPathFactory):
     """(folder, ONNX Runtime executable, reference executable) of the tiny Llama with LoRA."""
-    from kiln.build import optimize
+    from kiln.compiler.build import optimize
     from kiln.compiler.options import PipelineOptions
 
     config, weights = tiny_llama

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.build import PipelineOptions, optimize, runtime_tokenizer
+from kiln.compiler.build import PipelineOptions, optimize, runtime_tokenizer
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 

@@ -14,7 +14,7 @@ import pytest
 from kiln.backends.base import CompileSettings, Executable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.ir import VISIBLE_ENDS_INPUT, Program
 from kiln.ir.graph import Value, ValueKind
 from kiln.ir.step import VISIBLE_ENDS_TYPE
@@ -61,7 +61,7 @@ def smollm2_tvm(smollm2_o2, tmp_path_factory: pytest.TempPathFactory) -> Executa
 @pytest.fixture(scope="session")
 def smollm2_q4_1(smollm2_gguf_path: Path):
     """SmolLM2 with its GGUF Q4_1 (and Q8_0 LM head) blocks imported, O2, on the reference backend."""
-    from kiln.build import PipelineOptions, build_reference
+    from kiln.compiler.build import PipelineOptions, build_reference
 
     return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=2, quantization="gguf"))
 

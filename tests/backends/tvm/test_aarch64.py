@@ -22,7 +22,7 @@ from kiln.backends.targets import Target, host_machine
 from kiln.backends.tvm.backend import TVMBackend, elf_machine
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.layouts import apply_layout
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.ir.step import SequenceSlice, build_step_inputs
 
 BLOCK_SIZE = 16

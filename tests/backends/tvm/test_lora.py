@@ -37,7 +37,7 @@ from kiln.backends.tvm.cuda_graphs import DecodeGraphs, decode_bucket, pad_decod
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.kernels import lora as lora_kernels
 from kiln.backends.tvm.staging import InputStaging
-from kiln.build import PipelineOptions, optimize
+from kiln.compiler.build import PipelineOptions, optimize
 from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops.lora import lora

@@ -1,6 +1,7 @@
 """The one pipeline: model source → frontend → IR → passes. Every command that needs a graph (compile,
 tune, inspect, the reference oracle, the GPU bundle) calls `build_program` or, for weights it makes
-itself, `optimize`. Only this, cli.py, compiler.py and llm.py import every layer."""
+itself, `optimize`. It runs the frontend and the passes, so it sits in compiler/, which imports every layer
+below it."""
 
 from __future__ import annotations
 

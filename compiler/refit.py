@@ -25,7 +25,7 @@ import torch
 
 from kiln.backends.base import Executable
 from kiln.backends.registry import get_backend
-from kiln.build import optimize
+from kiln.compiler.build import optimize
 from kiln.compiler.codegen import stored_weights, weight_maker
 from kiln.compiler.options import PipelineOptions
 from kiln.errors import KilnError
