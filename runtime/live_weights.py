@@ -9,14 +9,13 @@ flight finish on the old weights, `abort` ends them at once (finish_reason "abor
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from kiln.errors import KilnError
+from kiln.runtime.memory import return_freed_memory as return_freed_memory  # async_engine.py imports it here
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +55,7 @@ class StagedWeights(Protocol):
 
 
 class WeightSource(Protocol):
-    """Makes executables of the served artifact's compiled code with other weights (kiln/refit.py)."""
+    """Makes executables of the served artifact's compiled code with other weights (compiler/refit.py)."""
 
     def from_path(self, path: str) -> Executable | StagedWeights:
         """The weights of an HF safetensors folder or a GGUF with the model's tensor names and shapes."""
@@ -75,18 +74,6 @@ class WeightSource(Protocol):
         ...
 
 
-def return_freed_memory() -> None:
-    """Collect cycles (an old executable, the mapped files new weights were made from), then hand the
-    heap's free pages back to the system: glibc's arenas keep freed memory otherwise (measured: a
-    SmolLM2 server grew by ~170 MiB an update without this, and stays flat with it)."""
-    gc.collect()
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(0)
-
-
 def check_refittable(manifest: dict[str, Any], entry: dict[str, Any]) -> None:
     """A WeightUpdateError for an artifact (its manifest, the served target's entry) whose weights
     cannot be replaced."""
@@ -100,7 +87,7 @@ def check_refittable(manifest: dict[str, Any], entry: dict[str, Any]) -> None:
 
 
 class OnFirstUse:
-    """A WeightSource made when first asked (kiln.refit imports torch and the compile pipeline: a
+    """A WeightSource made when first asked (kiln.compiler.refit imports torch and the compile pipeline: a
     server that never updates does not pay for them)."""
 
     def __init__(self, make: Callable[[], WeightSource]) -> None:

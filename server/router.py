@@ -19,9 +19,6 @@ body); the body is read here and replayed to that app.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import gc
 import json
 import logging
 import sys
@@ -43,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.memory import return_freed_memory
 from kiln.server import strict_json
 from kiln.server.errors import SERVER_ERROR, APIError, bad_request, not_found_model, overloaded
 from kiln.server.metrics import CONTENT_TYPE
@@ -320,20 +318,7 @@ def _close_and_free(held: list[ServedModel | None]) -> None:
             model.close()
     finally:
         del model
-        gc.collect()
-        _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    """glibc keeps freed heap pages; malloc_trim(0) returns them (every arena's). Nothing elsewhere."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
+        return_freed_memory()
 
 
 async def _on_own_thread(work: Callable[[], T], name: str) -> T:

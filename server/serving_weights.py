@@ -25,8 +25,8 @@ from kiln.runtime.live_weights import (
     WeightSource,
     WeightUpdateError,
     WeightVersion,
-    return_freed_memory,
 )
+from kiln.runtime.memory import return_freed_memory
 from kiln.runtime.weight_transfer import Channel, TransferGroup
 from kiln.server.errors import INVALID_REQUEST, APIError, bad_request
 from kiln.server.protocol import InitWeightTransferRequest, UpdateWeightsFromDiskRequest, UpdateWeightsRequest
