@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kiln.runtime.sampling_params import ReasoningTokens
@@ -35,6 +35,36 @@ def reply_parser(parser: str, tokens: ReasoningTokens | None, prompt: list[int])
     if tokens is None:
         return parser
     return "deepseek_r1" if first_phase(tokens, prompt) is ReasoningPhase.INSIDE else "qwen3"
+
+
+def count_reasoning_tokens(
+    parser: str,
+    markers: ReasoningTokens | None,
+    token_ids: Sequence[int],
+    reasoning: str,
+    encode: Callable[[str], list[int]],
+) -> int:
+    """How many of a reply's tokens are its reasoning (usage's `reasoning_tokens`): `parser` as
+    `reply_parser` gave it, `token_ids` the reply's (without the EOS that ended it), `reasoning` the text
+    `split` made of it. Where each marker is one token (`markers`), counted in the reply's own tokens as
+    vLLM does: from after a `<think>` that opens the block (or from the start, where the reply starts
+    inside), up to `</think>` or the end, the markers not counted; where they are spelled in pieces,
+    the reasoning text's own tokens."""
+    if not reasoning:
+        return 0
+    if markers is None:
+        return len(encode(reasoning))
+    ids = list(token_ids)
+    end = ids.index(markers.end) if markers.end in ids else len(ids)
+    if markers.start in ids[:end]:
+        begin = ids.index(markers.start) + 1  # qwen3: after the whitespace that may come first
+        if parser == "deepseek_r1" and begin != 1:
+            begin = 0  # a `<think>` inside the reasoning is part of it (`split` strips a leading one only)
+    elif parser == "qwen3":
+        return len(encode(reasoning))  # the reply spelled `<think>` in pieces
+    else:
+        begin = 0
+    return end - begin
 
 
 def split(parser: str, text: str, final: bool) -> tuple[str, str]:

@@ -3,8 +3,8 @@
 A request becomes a ChatCompletionRequest (its items chat messages, `text.format` the response_format,
 its flat function tools chat's) that OpenAIServingChat prepares (template, tool plan, grammar, reasoning
 parser) and runs; the reply becomes output items: a `reasoning` item (with a --reasoning-parser), a
-`message`, `function_call`s. A 400 of the chat path names the Responses field (`input[2]`, `text.format`,
-`max_output_tokens`).
+`message`, `function_call`s; usage counts the reasoning item's tokens (`reasoning_tokens`). A 400 of the
+chat path names the Responses field (`input[2]`, `text.format`, `max_output_tokens`).
 
 A stream is OpenAI's typed events, each `event: <type>` with a `sequence_number`: response.created,
 response.in_progress, then each output item in turn (output_item.added, its content part, its deltas,
@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from kiln.runtime.async_engine import EngineDeadError
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import ReasoningTokens
 from kiln.server.errors import INVALID_REQUEST, APIError, bad_request
 from kiln.server.protocol import (
     ChatCompletionRequest,
@@ -64,7 +65,7 @@ from kiln.server.protocol_responses import (
     conversation_items,
     function_tools,
 )
-from kiln.server.reasoning import ReasoningStream
+from kiln.server.reasoning import ReasoningStream, count_reasoning_tokens
 from kiln.server.response_store import ResponseStore, StoredResponse
 from kiln.server.serving_chat import OpenAIServingChat
 from kiln.server.serving_engine import (
@@ -115,7 +116,12 @@ class OpenAIServingResponses:
         hold = self.chat.admit([chat.prepared])
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = self.chat.generate(chat.prepared, response_id)
-        turn = _Turn(self._skeleton(request, response_id, tools), [*history, *new_items])
+        turn = _Turn(
+            self._skeleton(request, response_id, tools),
+            [*history, *new_items],
+            chat.reasoning_parser,
+            chat.prepared.params.reasoning,
+        )
         if request.stream:
             firsts, (stream,) = await started([stream], hold)
             body = self._stream(turn, chat.tools, chat.reasoning_parser, stream, hold)
@@ -187,12 +193,29 @@ class OpenAIServingResponses:
                 "completed_at": None if incomplete else int(time.time()),
                 "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
                 "output": output,
-                "usage": _usage(final),
+                "usage": _usage(final, self._reasoning_tokens(turn, output, final)),
             }
         )
         if response.store:
             self.store.put(StoredResponse(response.model_dump(mode="json"), turn.input_items))
         return response
+
+    def _reasoning_tokens(self, turn: _Turn, output: list[OutputItem], final: RequestOutput) -> int:
+        """The reply's tokens that are its reasoning (output's reasoning items), by its reasoning parser."""
+        if turn.reasoning_parser is None:
+            return 0
+        reasoning = "".join(
+            part.text for item in output if isinstance(item, ReasoningOutput) for part in item.content
+        )
+        sample = final.outputs[0]
+        tokens = sample.token_ids
+        if sample.finish_reason == "stop" and not isinstance(sample.stop_reason, str):
+            tokens = tokens[:-1]  # the EOS or stop token that ended it, no text
+
+        def encode(text: str) -> list[int]:
+            return self.chat.tokenizer.encode(text, add_special_tokens=False)
+
+        return count_reasoning_tokens(turn.reasoning_parser, turn.markers, tokens, reasoning, encode)
 
     async def _stream(
         self,
@@ -244,6 +267,8 @@ class OpenAIServingResponses:
 class _Turn:
     skeleton: ResponseObject
     input_items: list[dict[str, Any]]  # the conversation before this response: earlier turns, its input
+    reasoning_parser: str | None  # how the reply's reasoning reads (reasoning.reply_parser)
+    markers: ReasoningTokens | None  # `<think>` and `</think>` where each is one token
 
 
 def _chat_request(
@@ -332,13 +357,13 @@ def _incomplete(final: RequestOutput) -> bool:
     return final.outputs[0].finish_reason == "length"
 
 
-def _usage(final: RequestOutput) -> ResponseUsage:
+def _usage(final: RequestOutput, reasoning_tokens: int) -> ResponseUsage:
     input_tokens, output_tokens = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
     return ResponseUsage(
         input_tokens=input_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
         output_tokens=output_tokens,
-        output_tokens_details=OutputTokensDetails(),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=input_tokens + output_tokens,
     )
 

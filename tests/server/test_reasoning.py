@@ -1,15 +1,21 @@
 """The reasoning parsers on scripted text: whole, and streamed split at every character boundary; and
 through `kiln serve --reasoning-parser` (SmolLM2 writes no `</think>`: with deepseek_r1 its whole
-reply is reasoning, with qwen3 its whole reply is content)."""
+reply is reasoning, with qwen3 its whole reply is content); a structured output held outside the
+reasoning, and the reasoning tokens counted in /v1/responses' usage, on a tiny Qwen3 with `<think>`
+tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from kiln.server.reasoning import ReasoningStream, split
+from kiln.runtime.sampling_params import ReasoningTokens
+from kiln.server.reasoning import ReasoningStream, count_reasoning_tokens, split
 
 CASES = [
     (
@@ -172,3 +178,71 @@ def test_a_structured_output_holds_outside_the_reasoning(
         assert (message.content or "").strip() in CHOICES, (seed, message)  # word-level text: " w9"
         thought = getattr(message, "reasoning_content", None)
         assert (thought if thought is None else thought.strip()) == reasoning, message
+
+
+# (parser, reply token ids, its reasoning text, reasoning tokens) with <think>, </think> one token each
+W = len(SPECIAL)  # a word
+COUNTS = [
+    ("deepseek_r1", [W, W, END_THINK, W], "w w", 2),  # starts inside: up to </think>
+    ("deepseek_r1", [THINK, W, END_THINK, W], "w", 1),  # a leading <think> is no reasoning
+    ("deepseek_r1", [W, THINK, W], "w <think> w", 3),  # one inside it is
+    ("deepseek_r1", [W, W, W], "w w w", 3),  # never closed: all of it
+    ("deepseek_r1", [END_THINK, W], "", 0),
+    ("qwen3", [THINK, W, W, END_THINK, W], "w w", 2),
+    ("qwen3", [W, W], "", 0),  # no block
+    ("qwen3", [THINK, END_THINK, W], "", 0),
+]
+
+
+@pytest.mark.parametrize(("parser", "ids", "reasoning", "expected"), COUNTS)
+def test_counting_the_reasoning_tokens(parser: str, ids: list[int], reasoning: str, expected: int) -> None:
+    markers = ReasoningTokens(THINK, END_THINK, implicit_start=parser == "deepseek_r1")
+    assert count_reasoning_tokens(parser, markers, ids, reasoning, pytest.fail) == expected
+    # markers spelled in several tokens: the reasoning text's own tokens
+    assert count_reasoning_tokens(parser, None, ids, reasoning, str.split) == len(reasoning.split())
+
+
+def _final_response(stream: httpx.Response) -> dict[str, Any]:
+    *_, last = (line for line in stream.text.splitlines() if line.startswith("data: "))
+    return json.loads(last.removeprefix("data: "))["response"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "bias"), [("deepseek_r1", {END_THINK: 3.0}), ("qwen3", {THINK: 4.0, END_THINK: 3.0})]
+)
+def test_responses_usage_counts_the_reasoning_tokens(
+    start_app, tiny_qwen3_engine, monkeypatch, parser: str, bias: dict[int, float]
+) -> None:
+    """/v1/responses' usage.output_tokens_details.reasoning_tokens: the reply's tokens inside its
+    reasoning (not its markers nor the EOS), whole and streamed alike; on this word-level vocabulary the
+    reasoning item's words. The replies are sampled with the markers' logits raised (set on the engine's
+    requests: a Responses request takes no logit_bias or seed), so that they reason for all, part or none
+    of their tokens."""
+    seed = {"next": 0}
+    add_request = tiny_qwen3_engine.add_request
+
+    def biased(request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        params = dataclasses.replace(params, logit_bias=bias, seed=seed["next"])
+        add_request(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_qwen3_engine, "add_request", biased)
+    app = start_app(tiny_qwen3_engine, reasoning_parser=parser)
+    body = {"model": "tiny", "input": "w20 w27", "max_output_tokens": 10, "temperature": 1.0}
+    kinds = set()
+    for seed["next"] in range(8):
+        whole = httpx.post(f"{app.url}/v1/responses", json=body, timeout=30).json()
+        usage = whole["usage"]
+        thought = "".join(
+            part["text"]
+            for item in whole["output"]
+            if item["type"] == "reasoning"
+            for part in item["content"]
+        )
+        counted = usage["output_tokens_details"]["reasoning_tokens"]
+        assert counted == len(thought.split()), whole
+        said = any(item["type"] == "message" for item in whole["output"])
+        kinds.add(("reasoned" if counted else "") + ("said" if said else ""))
+        streamed = httpx.post(f"{app.url}/v1/responses", json=body | {"stream": True}, timeout=30)
+        streamed_usage = _final_response(streamed)["usage"]  # (its prompt found in the prefix cache)
+        assert streamed_usage["output_tokens_details"] == usage["output_tokens_details"]
+    assert "reasonedsaid" in kinds and len(kinds) >= 2, kinds  # replies closing their reasoning, and others

@@ -69,6 +69,7 @@ def test_a_response_in_openai_shape(start_app) -> None:
     (part,) = message.content
     assert part.type == "output_text" and part.annotations == []
     assert response.usage is not None and 0 < response.usage.output_tokens <= 3
+    assert response.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
     if response.status == "incomplete":
         assert response.incomplete_details is not None
@@ -117,6 +118,8 @@ def test_reasoning_items_with_a_reasoning_parser(start_app) -> None:
     whole = Response.model_validate(_post(app, body).json())
     (item,) = whole.output
     assert item.type == "reasoning" and item.id.startswith("rs_") and item.content and item.summary == []
+    # all of it reasoning (the tiny vocabulary spells the markers in pieces: counted by the text's tokens)
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens == 3
     events = _events(_post(app, {**body, "stream": True}))
     kinds = [e["type"] for e in events]
     deltas = kinds.count("response.reasoning_text.delta")
