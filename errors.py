@@ -18,6 +18,10 @@ class UsageError(KilnError):
     builds, an output that would destroy files): the CLI exits with code 2."""
 
 
+class OptionsError(UsageError):
+    """Options that contradict each other, the backend, or the artifact they were given with."""
+
+
 class ModelLoadError(KilnError):
     """A model source is missing, corrupt, or of an unsupported kind."""
 

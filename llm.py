@@ -30,21 +30,19 @@ from kiln.runtime.artifact import (
     load_artifact,
     sha256_file,
 )
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.engine import LLMEngine
-from kiln.runtime.kv_offload import KVOffloadConfig, default_disk_bytes
-from kiln.runtime.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterReader, LoRAConfig, LoRARequest
+from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.lora import AdapterReader, LoRARequest
 from kiln.runtime.media import MediaError, MediaPolicy, load_image
 from kiln.runtime.outputs import RequestOutput
-from kiln.runtime.pooling import PoolingParams, PoolingType
+from kiln.runtime.pooling import PoolingParams
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import SchedulerConfig, SchedulingPolicy
 from kiln.runtime.tensor_parallel import TensorParallelExecutable, torchrun_rank
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.runtime.vision import ImageEmbedding, template_content
 
 if TYPE_CHECKING:
     from kiln.console import Progress
+    from kiln.runtime.engine import LLMEngine
 
 # vLLM's prompt forms: a text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, either
 # with "multi_modal_data" ({"image": PIL image or a list of them}) for a model that takes images
@@ -52,7 +50,7 @@ Prompt = str | Sequence[int] | dict[str, Any]
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLM", "LoRARequest", "OptionsError", "adapter_reader", "describe", "open_model"]
+__all__ = ["LLM", "EngineOptions", "LoRARequest", "OptionsError", "adapter_reader", "describe", "open_model"]
 
 
 def adapter_reader(artifact: LoadedArtifact) -> AdapterReader:
@@ -84,9 +82,10 @@ def open_model(options: ModelOptions, show_progress: bool = True) -> LoadedArtif
             f"{options.model}: under torchrun, ranks run an artifact folder, not a model to compile",
             hint="compile it first: kiln compile MODEL --tensor-parallel-size N -o DIR; give every node DIR",
         )
-    from kiln.compiler import OutputError, load_or_compile, resolve
+    from kiln.compiler import resolve
 
-    plan = resolve(options)
+    plan = resolve(options)  # what the options contradict is refused here, before the compiler loads
+    from kiln.compiler import OutputError, load_or_compile
 
     @contextmanager
     def progress_for(folder: Path) -> Iterator[Progress | None]:
@@ -147,61 +146,55 @@ def describe(artifact: LoadedArtifact) -> str:
     )
 
 
-class LLM:
-    """`model` and its model options (`kiln.compiler.ModelOptions`: backend, target, quantization, dtype,
-    kv_cache_dtype, activation_bits, tensor_parallel_size, enable_lora, speculative_config), then the
-    engine's limits (`max_loras` adapters in one step, of rank up to `max_lora_rank`, with enable_lora).
-    `kv_offload_dir`: a folder that keeps prefix-cache blocks across restarts (at most `kv_offload_size`
-    bytes; default: 16 GiB or half the disk's free space); `kv_offload_cpu_size`: bytes of host RAM that
-    keep blocks evicted from a KV cache on a GPU. `pooling`: how `embed` pools, "last" or "mean"
-    (default: the model's own, else "last")."""
+def split_options(model: str, options: dict[str, Any]) -> tuple[ModelOptions, EngineOptions]:
+    """`kiln.LLM`'s keywords as the model's options and the engine's; an unknown keyword is refused
+    naming the known ones."""
+    engine_names = EngineOptions.names()
+    model_names = ModelOptions.names()
+    unknown = sorted(set(options) - set(engine_names) - set(model_names))
+    if unknown:
+        known = ", ".join((*model_names, *engine_names))
+        raise OptionsError(f"unknown option {', '.join(unknown)}", hint=f"options: {known}")
+    engine = {name: value for name, value in options.items() if name in engine_names}
+    model_options = {name: value for name, value in options.items() if name not in engine_names}
+    return ModelOptions(model, **model_options), EngineOptions(**engine)
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        kv_cache_memory: int | None = None,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_step_ms: float | None = None,
-        scheduling_policy: SchedulingPolicy = "fcfs",
-        max_loras: int = DEFAULT_MAX_LORAS,
-        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-        kv_offload_dir: str | Path | None = None,
-        kv_offload_size: int | None = None,
-        kv_offload_cpu_size: int = 0,
-        pooling: PoolingType | None = None,
-        show_progress: bool = True,
-        **options: Any,
-    ) -> None:
-        self.options = ModelOptions.create(model, **options)
+
+class LLM:
+    """`model` and its options as keywords: the model options (`kiln.compiler.ModelOptions`: backend,
+    target, quantization, dtype, kv_cache_dtype, activation_bits, tensor_parallel_size, enable_lora, ...)
+    and the engine options (`kiln.runtime.engine_options.EngineOptions`: max_model_len, max_num_seqs,
+    max_num_batched_tokens, the KV cache's size, kv_offload_dir, speculative_config, max_loras, pooling,
+    ...); an unknown keyword is refused naming the known ones. `show_progress`: show a compile's stages."""
+
+    def __init__(self, model: str, *, show_progress: bool = True, **options: Any) -> None:
+        model_options, engine_options = split_options(model, options)
+        self._start(model_options, engine_options, show_progress)
+
+    @classmethod
+    def from_options(
+        cls, options: ModelOptions, engine_options: EngineOptions, show_progress: bool = True
+    ) -> LLM:
+        """As `LLM(model, **keywords)`, from the options objects (the CLI's, made from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(options, engine_options, show_progress)
+        return llm
+
+    def _start(self, options: ModelOptions, engine_options: EngineOptions, show_progress: bool) -> None:
+        self.options = options
+        self.engine_options = engine_options
         self.artifact = open_model(self.options, show_progress)
-        speculative = self.options.speculative_config
+        speculative = engine_options.speculative_config
         self.draft_artifact = None
         if speculative is not None and speculative.model is not None:
             draft_options = dataclasses.replace(
-                self.options, model=speculative.model, speculative_config=None, tensor_parallel_size=None
+                self.options, model=speculative.model, tensor_parallel_size=None
             )
             self.draft_artifact = open_draft(draft_options, self.artifact, show_progress)
-        config = EngineConfig(
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduler=SchedulerConfig(
-                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_step_ms, scheduling_policy
-            ),
-            speculative=speculative,
-            kv_offload=self._kv_offload(kv_offload_dir, kv_offload_size, kv_offload_cpu_size),
-            pooling=pooling or self.artifact.pooling or "last",
-        )
-        self.engine = LLMEngine(
+        config = engine_options.engine_config(self.artifact.pooling, self._kv_offload_identity())
+        from kiln.runtime.engine import LLMEngine  # the model is open: what refuses it came first
+
+        self.engine: LLMEngine = LLMEngine(
             self.artifact.executable,
             self.artifact.tokenizer,
             self.artifact.model_id,
@@ -210,29 +203,23 @@ class LLM:
             vocab_size=self.artifact.vocab_size,
             draft=self.draft_artifact.executable if self.draft_artifact is not None else None,
             vision=self.artifact.vision,
-            lora=LoRAConfig(max_loras, max_lora_rank) if self.serves_lora else None,
+            lora=engine_options.lora_config() if self.serves_lora else None,
             adapter_reader=adapter_reader(self.artifact) if self.serves_lora else None,
         )
         logger.info("%s: %s; KV cache %s", self.artifact.model_name, describe(self.artifact), self.kv_cache)
         self._ids = itertools.count()
 
-    def _kv_offload(
-        self, folder: str | Path | None, size: int | None, cpu_size: int
-    ) -> KVOffloadConfig | None:
-        if folder is None and not cpu_size:
-            if size is not None:
-                raise OptionsError("kv_offload_size sizes the disk tier: give kv_offload_dir too")
-            return None
+    def _kv_offload_identity(self) -> str:
+        """The artifact and target offloaded KV blocks belong to ("" where none are offloaded)."""
+        if not self.engine_options.offloads_kv:
+            return ""
         if isinstance(self.artifact.executable, TensorParallelExecutable):
             raise OptionsError(
                 "KV offload does not run with tensor parallelism yet (each rank holds its own KV cache)",
                 hint="serve without --kv-offload-dir, or at --tensor-parallel-size 1",
             )
         # the manifest names every file of the artifact by its sha256, so its own hash is the artifact's
-        identity = f"{sha256_file(self.artifact.path / MANIFEST)}/{self.artifact.target.name}"
-        disk = Path(folder) if folder is not None else None
-        disk_bytes = (size if size is not None else default_disk_bytes(disk)) if disk is not None else 0
-        return KVOffloadConfig(identity, disk, disk_bytes, cpu_size)
+        return f"{sha256_file(self.artifact.path / MANIFEST)}/{self.artifact.target.name}"
 
     @property
     def serves_lora(self) -> bool:

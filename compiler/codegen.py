@@ -42,6 +42,7 @@ from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.ir.vision import VisionSpec
 from kiln.runtime import artifact as fmt
 from kiln.runtime.image_processing import ImageProcessingError, processing_of
+from kiln.runtime.scheduler import DEFAULT_MAX_NUM_SEQS
 from kiln.runtime.weights_file import Entry
 from kiln.version import __version__
 
@@ -55,7 +56,7 @@ class CompileLimits:
     maximum length)."""
 
     max_model_len: int | None = None
-    max_num_seqs: int = 16
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
 
 
 @dataclass

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import FLOAT8_KV_CACHE
 from kiln.backends.registry import BACKEND_NAMES
-from kiln.errors import UsageError
+from kiln.errors import OptionsError
 from kiln.passes.base import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from kiln.runtime.artifact import read_manifest
-from kiln.runtime.speculative import SpeculativeConfig
 
 DEFAULT_DTYPE = "f32"
 DEFAULT_ACTIVATION_BITS = 16  # also what an artifact compiled before the option existed holds
@@ -29,10 +28,6 @@ AUTO = "auto"
 COMMANDS = frozenset({"compile", "serve", "generate"})
 PIPELINE_COMMANDS = frozenset({"compile", "tune", "inspect"})  # that build a graph
 KV_CACHE_ALIASES = {"fp8": FLOAT8_KV_CACHE}  # vLLM's `fp8` is e4m3
-
-
-class OptionsError(UsageError):
-    """Options that contradict each other, the backend, or the artifact they were given with."""
 
 
 @dataclass(frozen=True)
@@ -151,16 +146,6 @@ class ModelOptions:
             compiled=True,
         ).metadata,
     )
-    speculative_config: SpeculativeConfig | None = field(
-        default=None,
-        metadata=Flag(
-            'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-            '"prompt_lookup_max": 4}\' (drafts from each sequence\'s own tokens) or \'{"model": '
-            '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\' (drafts from a smaller model '
-            "with the same vocabulary, compiled like the model)",
-            commands=frozenset({"serve", "generate"}),
-        ).metadata,
-    )
     mmproj: str | None = field(
         default=None,
         metadata=Flag(
@@ -213,13 +198,16 @@ class ModelOptions:
                 "a float8 KV cache is calibrated on the whole model, not per tensor-parallel rank",
                 hint="drop --kv-cache-dtype, or use --tensor-parallel-size 1",
             )
-        if isinstance(self.speculative_config, str | Mapping):
-            object.__setattr__(self, "speculative_config", _speculative(self.speculative_config))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options besides `model`, in declaration order."""
+        return tuple(option.name for option in dataclasses.fields(cls) if option.name != "model")
 
     @classmethod
     def create(cls, model: str, **options: Any) -> ModelOptions:
-        """`kiln.LLM`'s keywords; an unknown keyword is refused naming the known ones."""
-        known = [option.name for option in dataclasses.fields(cls) if option.name != "model"]
+        """From keywords; an unknown keyword is refused naming the known ones."""
+        known = cls.names()
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise OptionsError(f"unknown option {', '.join(unknown)}", hint=f"options: {', '.join(known)}")
@@ -280,17 +268,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _default(name: str) -> Any:
     return next(option.default for option in dataclasses.fields(ModelOptions) if option.name == name)
-
-
-def _speculative(value: str | Mapping[str, Any]) -> SpeculativeConfig:
-    try:
-        return SpeculativeConfig.parse(value if isinstance(value, str) else dict(value))
-    except (ValueError, TypeError) as error:
-        raise OptionsError(
-            f"speculative config {value!r}: {error}",
-            hint='e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or '
-            '{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}',
-        ) from None
 
 
 def check_artifact_options(folder: Path, options: ModelOptions) -> None:

@@ -15,6 +15,7 @@ from kiln.runtime.speculative import SpeculativeConfig
 DEFAULT_KV_CACHE_FRACTION = 0.5  # the most of the host memory available now that the KV cache may take
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.9  # ... of a GPU's free memory (weights loaded), as vLLM's 0.9
 DEFAULT_MAX_MODEL_LEN = 8192  # a longer model context is used only when asked for (--max-model-len)
+DEFAULT_BLOCK_SIZE = 16  # tokens a KV cache block holds
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class EngineConfig:
     memory); `kv_cache_memory` (bytes) or `num_blocks` set it instead. `max_model_len` None: the
     model's context, up to DEFAULT_MAX_MODEL_LEN. `kv_offload`: where full blocks go besides the pool."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
     num_blocks: int | None = None
