@@ -1,8 +1,10 @@
 """Fuzzing every POST route of the tiny in-process app: 10,000 seeded mutations of valid bodies (see
 fuzz_bodies.py), 16 in flight, must all be answered without a 5xx; every 4xx in its API's error shape;
-every stream read to its end, ending as its API ends one (an error inside it an error event); and the
-server healthy and answering afterwards. A failure lists the first offending requests and the server's
-tracebacks; `generate(SEED, NUM_BODIES)` gives the same bodies again."""
+every stream read to its end, ending as its API ends one (an error inside it an error event); every valid
+body (a seed the tiny server serves) answered 2xx, and on each route at least its share of all bodies
+(`Endpoint.min_success`: a server refusing everything in good shape fails); and the server healthy and
+answering afterwards. A failure lists the first offending requests and the server's tracebacks;
+`generate(SEED, NUM_BODIES)` gives the same bodies again."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.fuzz_bodies import Case, Endpoint, generate
+from tests.server.fuzz_bodies import ENDPOINTS, Case, Endpoint, generate
 
 SEED = 20_250_611
 NUM_BODIES = 10_000
@@ -180,20 +182,24 @@ def server_errors() -> Iterator[list[str]]:
             logger.removeHandler(handler)
 
 
-def report(failures: list[Outcome], logged: list[str]) -> str:
+def report(failures: list[Outcome], logged: list[str], what: str = "failed") -> str:
     by_route = Counter(f"{o.case.endpoint.path} {o.status}" for o in failures)
-    lines = [f"{len(failures)} of {NUM_BODIES} requests failed ({dict(by_route)}); the first:"]
+    lines = [f"{len(failures)} of {NUM_BODIES} requests {what} ({dict(by_route)}); the first:"]
     for outcome in failures[:SHOWN_FAILURES]:
         case = outcome.case
         lines += [
             f"- POST {case.endpoint.path} ({case.kind}, content-type {case.content_type!r}) -> "
-            f"{outcome.status}: {outcome.problem}",
+            f"{outcome.status}: {outcome.problem or what}",
             f"  body: {case.content[:800]!r}",
             f"  response: {outcome.text[:600]}",
         ]
     # each traceback's first line and its end, where the error is
     lines += ["server log:", *(_shortened(record) for record in logged[:3])]
     return "\n".join(lines)
+
+
+def succeeded(outcome: Outcome) -> bool:
+    return outcome.status is not None and 200 <= outcome.status < 300
 
 
 def _shortened(record: str, keep: int = 2500) -> str:
@@ -221,6 +227,20 @@ def test_fuzzed_bodies_to_every_post_route_get_no_5xx(start_app, make_tiny_engin
     assert len(outcomes) == NUM_BODIES
     failures = [o for o in outcomes if o.problem is not None]
     assert not failures, report(failures, logged)
+    refused = [o for o in outcomes if o.case.valid and not succeeded(o)]
+    assert not refused, report(refused, logged, "valid, not answered 2xx")
+    sent = Counter(o.case.endpoint.path for o in outcomes)
+    served = Counter(o.case.endpoint.path for o in outcomes if succeeded(o))
+    shares = {e.path: served[e.path] / sent[e.path] for e in ENDPOINTS}
+    print("2xx share by route: " + ", ".join(f"{path} {share:.2f}" for path, share in shares.items()))
+    low = {
+        e.path: (round(shares[e.path], 3), e.min_success) for e in ENDPOINTS if shares[e.path] < e.min_success
+    }
+    assert not low, f"routes answering too few bodies 2xx, (share, least): {low}"
+    # every route that serves some bodies had valid ones sent
+    assert {o.case.endpoint.path for o in outcomes if o.case.valid} == {
+        e.path for e in ENDPOINTS if e.min_success
+    }
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     normal = {"model": "tiny", "messages": [{"role": "user", "content": "w2 w3"}], "max_tokens": 3}
     reply = httpx.post(f"{server.url}/v1/chat/completions", json=normal, timeout=30)
