@@ -49,6 +49,10 @@ def test_each_ranks_blocks_dequantize_to_its_weights(tiny_llama, random_gguf_blo
 def test_a_cut_through_a_block_is_refused(tiny_llama, random_gguf_blocks) -> None:
     config, weights, blocks = _blocks_and_weights(tiny_llama, random_gguf_blocks, skip=None)
     captured = capture_weights(config, weights)
+    before = {name: (held.shape, held.read()) for name, held in blocks.items()}
     with pytest.raises(PassError, match=r"o_proj.weight \(Q5_0\) at tensor-parallel size 2: each rank's 16"):
         shard_with_blocks(Program(captured.graph, captured.weights), 2, 0, blocks)
-    assert np.all(blocks["model.layers.0.self_attn.o_proj.weight"].read() >= 0)  # the source is not changed
+    # the source is not changed: the same tensors, of the same shapes, holding the same bytes
+    assert blocks.keys() == before.keys()
+    for name, (shape, data) in before.items():
+        assert blocks[name].shape == shape and np.array_equal(blocks[name].read(), data), name

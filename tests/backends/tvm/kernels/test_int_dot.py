@@ -201,6 +201,8 @@ def _id(case: tuple[QuantSpec, int | None]) -> str:
 def test_every_variant_and_plane(
     case: tuple[QuantSpec, int | None], variant: str, activation_bits: int
 ) -> None:
+    """8-bit activations: llama.cpp's Q8 rounding (one int8 dot a weight byte instead of two), about
+    1/254 of a block (FLOAT_TOLERANCE)."""
     _run(*case, variant, activation_bits)
 
 
@@ -273,13 +275,6 @@ def _aarch64_jobs(
             )
             checks.append((spec, value_bits, model_weights, x, rows, name))
     return jobs, checks
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_int8_activations(variant: str) -> None:
-    """llama.cpp's Q8 rounding (one int8 dot a weight byte instead of two): about 1/254 of a block."""
-    for case in SPECS:
-        _run(*case, variant, 8)
 
 
 def test_factored_scales_reproduce_every_scale() -> None:
