@@ -308,7 +308,9 @@ def test_shutdown_waits_a_bounded_time_and_fails_the_streams(make_tiny_engine, c
     async def main() -> None:
         stream = engine.generate(_prompt(1), LONG)
         waiting = asyncio.create_task(_fails_dead(stream))
+        deadline = time.monotonic() + 30
         while sync_engine.executable.calls == 0:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "no step started"
             await asyncio.sleep(0.01)
         started = time.perf_counter()
         engine.shutdown(timeout=0.1)

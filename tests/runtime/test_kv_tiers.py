@@ -140,7 +140,9 @@ def test_a_block_loaded_from_disk_stays_in_the_host_tier_and_saves_past_the_back
     offload.bind(cache)
     assert offload.available([_hash(1), _hash(2)]) == 1
     offload.start_load("r", [_hash(1)], [3])
+    deadline = time.monotonic() + 30
     while not (done := offload.finished_loads()):
+        assert time.monotonic() < deadline, "the load did not finish"
         offload.wait_for_load(1)
     assert done == {"r": 1}
     assert np.array_equal(cache[:, :, 3], cache[:, :, 1]) and host.contains(_hash(1))

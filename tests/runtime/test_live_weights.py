@@ -5,6 +5,8 @@ weights."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +33,13 @@ def other_weights() -> ReferenceExecutable:
     return ReferenceExecutable(captured.graph, captured.weights)
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s"
+        await asyncio.sleep(0.002)
+
+
 def run(engine: Any, request_id: str) -> Any:
     engine.add_request(request_id, PROMPT, GREEDY)
     (final,) = engine.run_to_completion()
@@ -42,7 +51,7 @@ def test_new_weights_serve_from_the_next_request_and_the_prefix_cache_is_dropped
 ) -> None:
     engine = make_tiny_engine()
     fresh = make_tiny_engine()
-    fresh.executable = other_weights
+    fresh.runner.executable = other_weights
     first, again = run(engine, "a"), run(engine, "b")
     assert again.num_cached_tokens == 8 and first.weight_version == 0
     old = engine.replace_executable(other_weights, 1)
@@ -112,9 +121,9 @@ def test_the_async_engine_waits_for_requests_in_flight_and_holds_new_ones(
                 return final.outputs[0].token_ids, final.weight_version
 
             in_flight = asyncio.create_task(tokens("old"))
-            await asyncio.sleep(0.05)
+            await until(lambda: engine.stats().num_prompt_tokens > 0)  # admitted
             update = asyncio.create_task(engine.replace_weights(lambda: other_weights, "disk", "disk:x"))
-            await asyncio.sleep(0.01)
+            await until(lambda: engine.paused)
             later = asyncio.create_task(tokens("new"))  # arrives during the update's pause: held
             old_tokens, old_version = await in_flight
             version = await update
@@ -148,7 +157,7 @@ def test_pause_abort_ends_requests_in_flight_and_resume_starts_held_ones(make_ti
                 return final
 
             long = asyncio.create_task(last("long", SamplingParams(max_tokens=200, temperature=0.0)))
-            await asyncio.sleep(0.05)
+            await until(lambda: engine.stats().num_prompt_tokens > 0)  # admitted
             await engine.pause("abort")
             aborted = await long
             assert aborted.outputs[0].finish_reason == "abort" and engine.paused

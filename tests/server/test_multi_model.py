@@ -184,7 +184,9 @@ def test_a_model_waits_for_room_then_is_a_503_while_every_loaded_model_stays_bus
     thread.start()
     url = f"http://127.0.0.1:{unused_port}"
     try:
+        deadline = time.monotonic() + 30
         while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
             time.sleep(0.01)
         body = {"model": "x", "prompt": [5, 6], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as streaming:

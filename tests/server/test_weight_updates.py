@@ -191,7 +191,11 @@ def test_an_update_while_16_streams_decode_gives_each_stream_one_version(
     pushed: list[int] = []
     pusher = threading.Thread(target=lambda: pushed.append(sync.push(after.named_parameters())))
     pusher.start()
-    time.sleep(0.2)
+    # the update reached the engine: received, it pauses the engine (new requests are held) and waits
+    deadline = time.monotonic() + 60
+    while not httpx.get(f"{server.url}/is_paused", timeout=10).json()["is_paused"]:
+        assert time.monotonic() < deadline and pusher.is_alive(), ("no pause for the update", pushed)
+        time.sleep(0.02)
     assert not results  # the 16 still decode: the update waits for them
     later = [threading.Thread(target=stream, args=(i, 24)) for i in range(16, 20)]
     for thread in later:
