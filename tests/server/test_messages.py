@@ -301,17 +301,23 @@ def test_the_anthropic_client_tool_round_trip(api_server) -> None:
         ("get_weather", use.input)
     ]
 
-    answer = client.messages.create(
-        messages=[
-            *question,
-            {"role": "assistant", "content": call.content},
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 C"}],
-            },
-        ],
-        tool_choice={"type": "none"},
-        **asked,
-    )
-    assert answer.content[0].type == "text" and answer.content[0].text
-    assert answer.stop_reason in ("end_turn", "max_tokens")
+    replies = {}
+    # the tool's result reaches the reply: it repeats the temperature, and another result, another reply
+    for result in ("Snowing, -7 C", "Sunny, 24 C"):
+        answer = client.messages.create(
+            messages=[
+                *question,
+                {"role": "assistant", "content": call.content},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}],
+                },
+            ],
+            tool_choice={"type": "none"},
+            **asked,
+        )
+        assert answer.content[0].type == "text" and answer.content[0].text
+        assert answer.stop_reason in ("end_turn", "max_tokens")
+        replies[result] = answer.content[0].text
+    cold, sunny = replies.values()
+    assert "-7" in cold and "-7" not in sunny and cold != sunny, replies

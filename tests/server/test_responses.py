@@ -380,12 +380,18 @@ def test_a_tool_call_round_trip_on_the_real_model(api_server) -> None:
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather", called.output
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
-    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "sunny"}'}
-    answered = client.responses.create(
-        model=api_server.model,
-        previous_response_id=called.id,
-        input=[result],  # type: ignore[list-item]
-        max_output_tokens=16,
-        temperature=0,
-    )
-    assert answered.output[-1].type == "message" and answered.output_text
+    replies = {}
+    # the tool's result reaches the reply: it repeats the temperature, and another result, another reply
+    for output in ('{"temperature_celsius": -7, "sky": "snow"}', '{"sky": "sunny"}'):
+        result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": output}
+        answered = client.responses.create(
+            model=api_server.model,
+            previous_response_id=called.id,
+            input=[result],  # type: ignore[list-item]
+            max_output_tokens=16,
+            temperature=0,
+        )
+        assert answered.output[-1].type == "message" and answered.output_text
+        replies[output] = answered.output_text
+    cold, sunny = replies.values()
+    assert "-7" in cold and "-7" not in sunny and cold != sunny, replies
