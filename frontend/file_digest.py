@@ -9,17 +9,9 @@ import json
 import os
 from pathlib import Path
 
-_CHUNK = 1 << 20
+from kiln.digests import sha256_file
+
 _known: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → sha256, this process's
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of `path`'s bytes, read now."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def file_digest(file: Path, records: Path | None) -> str:

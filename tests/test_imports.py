@@ -32,7 +32,7 @@ class Layer:
 
 
 LAYERS: dict[str, Layer] = {
-    "errors": Layer(members=("errors",), may_import=()),
+    "errors": Layer(members=("errors", "digests"), may_import=()),
     "support": Layer(members=("console", "version"), may_import=()),
     "ir": Layer(members=("ir",), may_import=("errors",)),
     "frontend": Layer(members=("frontend",), may_import=("ir", "errors")),

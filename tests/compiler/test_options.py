@@ -38,24 +38,20 @@ def test_a_bad_combination_is_refused_by_kiln_llm_before_the_model_loads(unloada
 
 _REFUSED_IN_A_FRESH_PROCESS = """
 import json, sys, time
-started = time.perf_counter()
+started = time.perf_counter(), time.process_time()
 import kiln
 try:
     kiln.LLM(sys.argv[1], backend="onnxruntime", kv_cache_dtype="fp8")
 except Exception as error:
-    seconds = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
     refused = {"error": type(error).__name__, "message": str(error), "torch": "torch" in sys.modules}
-    print(json.dumps({**refused, "seconds": seconds}))
+    print(json.dumps({**refused, "seconds": wall, "cpu_seconds": cpu}))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the onnxruntime backend's module imports torch (backends/onnxruntime/backend.py, and "
-    "backends/onnx/__init__.py through context.py), and compiler.resolve loads it to ask its capabilities",
-)
 def test_kiln_llm_refuses_a_bad_combination_in_a_fresh_process_without_torch(unloadable_model: Path) -> None:
-    """The refusal needs the options and the backend's capabilities, not torch (1.2 s to import)."""
+    """The refusal needs the options and the backend's capabilities, not torch (1.2 s to import). Timed
+    in the process's CPU seconds: the wall clock of a shared machine measures its neighbours too."""
     done = subprocess.run(
         [sys.executable, "-c", _REFUSED_IN_A_FRESH_PROCESS, str(unloadable_model)],
         capture_output=True,
@@ -66,7 +62,7 @@ def test_kiln_llm_refuses_a_bad_combination_in_a_fresh_process_without_torch(unl
     refused = json.loads(done.stdout)
     assert refused["error"] == "OptionsError" and ONNX_KV_REFUSAL in refused["message"]
     assert not refused["torch"], "torch was imported on the way to the refusal"
-    assert refused["seconds"] < 1.0, f"refused after {refused['seconds']:.2f} s"
+    assert refused["cpu_seconds"] < 1.0, f"refused after {refused['cpu_seconds']:.2f} s of CPU"
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "compile"])
