@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.backends.lora_tables import lora_spec
+from kiln.backends.lora_tables import LoRASpec
 from kiln.compiler.options import ModelOptions, OptionsError, check_artifact_options
 from kiln.frontend.pull import kiln_home
 from kiln.runtime.artifact import (
     MANIFEST,
     LoadedArtifact,
-    close_executable,
     is_artifact,
     load_artifact,
     sha256_file,
@@ -224,13 +223,14 @@ class LLM:
     @property
     def serves_lora(self) -> bool:
         """Whether adapters can be served: asked for, or an artifact folder compiled with them."""
-        return self.options.enable_lora or lora_spec(self.artifact.executable) is not None
+        compiled_with = LoRASpec.of_signature(self.artifact.executable.signature)
+        return self.options.enable_lora or compiled_with is not None
 
     def close(self) -> None:
         """Finish the KV blocks queued for the offload folder; stop the tensor-parallel ranks the model runs
         on, if any (an exiting process stops them too)."""
         self.engine.close()
-        close_executable(self.artifact.executable)
+        self.artifact.executable.close()
 
     @property
     def kv_cache(self) -> str:

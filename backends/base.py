@@ -16,12 +16,14 @@ import numpy.typing as npt
 from kiln.backends.targets import FLOAT8_HINT, Target, bfloat16_refusal, float8_kv_cache_refusal
 from kiln.errors import KilnError
 from kiln.ir.host_arrays import HOST_DTYPES, device_of
-from kiln.ir.step import KV_CACHE_INPUT, Logits, StepInputs
+from kiln.ir.step import EMBED, KV_CACHE_INPUT, Logits, StepInputs, StepSignature
 
 if TYPE_CHECKING:
     import torch
 
+    from kiln.backends.lora_tables import LoRASpec
     from kiln.ir import Graph, Program
+    from kiln.ir.types import TensorType
 
 KVCache = Any  # a numpy array on the host (KVCacheSpec.allocate), a torch tensor on a GPU
 
@@ -205,42 +207,75 @@ class KVCacheSpec:
 
     @classmethod
     def of_graph(cls, graph: Graph) -> KVCacheSpec:
-        cache = graph.input(KV_CACHE_INPUT).type
+        return cls.of_type(graph.input(KV_CACHE_INPUT).type)
+
+    @classmethod
+    def of_type(cls, cache: TensorType) -> KVCacheSpec:
+        """The spec of a kv_cache input's type (ir/step.py kv_cache_type)."""
         layers, _, _, _, kv_heads, head_dim = cache.shape
         if not all(isinstance(d, int) for d in (layers, kv_heads, head_dim)):
             raise BackendError(f"kv_cache input {cache.text()} must have fixed layers, kv heads and head dim")
         return cls(int(layers), int(kv_heads), int(head_dim), cache.dtype)
 
 
-class Executable(Protocol):
-    """A loaded model: `step` runs one ragged batch, writing K/V into `kv_cache` in place. A GPU
-    executable also names where its cache must live (`kv_cache_device`, e.g. "cuda"; see
-    `kv_cache_device()`)."""
-
-    kv_cache_spec: KVCacheSpec
-
-    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
-        """Logits [L, vocab] (a row per `inputs.logits_indices`), float32, on the host."""
-        ...
-
-
 Hidden = npt.NDArray[np.float32]  # [rows, hidden] on the host: what `embed` returns
 
 
-class Embedder(Protocol):
-    """An executable with the `embed` entry point (passes/embed.py): the step up to the LM head."""
+class Executable:
+    """A loaded model, what every backend's executable is: `step` runs one ragged batch, writing K/V into
+    `kv_cache` in place; `signature` says what it takes (its optional inputs: a step given fewer has them
+    filled by `ir.step.fill_absent`) and which entry points it has (`embed` where it can embed). A GPU
+    executable names where its cache must live (`kv_cache_device`, e.g. "cuda"). The defaults here are a
+    host executable's that keeps nothing of a cache between steps and holds its weights as stored."""
 
-    embedding_size: int  # the width of its rows (the model's hidden size)
+    signature: StepSignature
+    kv_cache_device: str = "cpu"
+    sleeps: bool = True  # its KV cache and weights can be handed back (runtime/live_weights.py)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec.of_type(self.signature.kv_cache)
+
+    @property
+    def embeds(self) -> bool:
+        return self.signature.has(EMBED)
+
+    @property
+    def lora_spec(self) -> LoRASpec | None:
+        """The LoRA tables its step takes, None for a step compiled without."""
+        from kiln.backends.lora_tables import LoRASpec
+
+        return LoRASpec.of_signature(self.signature)
+
+    @property
+    def embedding_size(self) -> int:
+        """The width of `embed`'s rows (the model's hidden size); 0 without `embed`."""
+        return self.signature.embedding_size or 0
+
+    @property
+    def held_weight_bytes(self) -> dict[str, int] | None:
+        """The bytes of each weight (by its name in the artifact's weights) as the compiled code holds it,
+        after its layouts (packed planes, factored scales); None where they are as in the artifact."""
+        return None
+
+    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
+        """Logits [L, vocab] (a row per `inputs.logits_indices`), float32, on the host."""
+        raise NotImplementedError
 
     def embed(self, inputs: StepInputs, kv_cache: KVCache) -> Hidden:
         """The final hidden states [L, hidden] (after the last norm) of the `logits_indices` rows, float32,
-        on the host; K/V written as `step` writes them."""
-        ...
+        on the host; K/V written as `step` writes them. Only where `embeds`."""
+        raise BackendError(
+            "this model cannot embed: its artifact has no `embed` function (the ONNX Runtime and "
+            "TensorRT backends, tensor parallelism, and artifacts compiled before kiln had one lack it)"
+        )
 
+    def release_kv_cache(self) -> None:
+        """Drop what it keeps of the last KV cache it stepped with (TVM keeps the cache's view), so that
+        the engine can free the cache."""
 
-def embedder(executable: Executable) -> Embedder | None:
-    """`executable` where it can embed (its `embeds` is true), else None."""
-    return executable if getattr(executable, "embeds", False) else None  # type: ignore[return-value]
+    def close(self) -> None:
+        """Let go of what it holds beyond memory (worker processes)."""
 
 
 class ImageEncoder(Protocol):
@@ -252,30 +287,9 @@ class ImageEncoder(Protocol):
         ...
 
 
-def kv_cache_device(executable: Executable) -> str:
-    """Where `executable` wants its KV cache allocated: its `kv_cache_device`, else the host."""
-    return str(getattr(executable, "kv_cache_device", "cpu"))
-
-
-def held_weight_bytes(executable: Executable) -> dict[str, int] | None:
-    """The bytes of each weight (by its name in the artifact's weights) as the compiled code holds it,
-    after its layouts (packed planes, factored scales): the executable's `held_weight_bytes`; None for
-    one that does not say (its weights are then as in the artifact's file)."""
-    held = getattr(executable, "held_weight_bytes", None)
-    return dict(held) if held is not None else None
-
-
-def release_kv_cache(executable: Executable) -> None:
-    """Have `executable` drop what it keeps of the last KV cache it stepped with (its
-    `release_kv_cache`; TVM keeps the cache's view), so that the engine can free the cache."""
-    release = getattr(executable, "release_kv_cache", None)
-    if release is not None:
-        release()
-
-
 def allocate_kv_cache(executable: Executable, num_blocks: int, block_size: int) -> KVCache:
     """A zeroed KV cache of `num_blocks` blocks for `executable`, where it reads it."""
-    return executable.kv_cache_spec.allocate(num_blocks, block_size, kv_cache_device(executable))
+    return executable.kv_cache_spec.allocate(num_blocks, block_size, executable.kv_cache_device)
 
 
 def check_kv_cache_device(kv_cache: KVCache, device: str) -> None:

@@ -1,6 +1,5 @@
-"""A step's LoRA tables (ir/step.py LORA_*): which modules it adapts and their shapes, from the graph at
-compile and from a backend's manifest entry (`lora` in step.json, onnx.json) at load; allocating them
-where the executable reads them, and the inputs of a step that uses none."""
+"""A step's LoRA tables (ir/step.py LORA_*): which modules it adapts and their shapes, from its
+signature; allocating them where the executable reads them."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.ir import Graph
 from kiln.ir.host_arrays import HOST_DTYPES
-from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT, StepInputs
+from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT, StepSignature
 
 LoRATables = dict[str, Any]  # input name -> a numpy array on the host, a torch tensor on a GPU
 
@@ -33,18 +31,19 @@ class LoRASpec:
     dtype: str  # the IR dtype of the tables (the activations')
 
     @classmethod
-    def of_graph(cls, graph: Graph) -> LoRASpec | None:
-        """The tables `graph`'s step takes, None for a step without LoRA."""
-        if not any(value.name == LORA_SLOTS_INPUT for value in graph.inputs):
+    def of_signature(cls, signature: StepSignature) -> LoRASpec | None:
+        """The tables `signature`'s step takes, None for a step without LoRA."""
+        if not signature.takes(LORA_SLOTS_INPUT):
             return None
+        types = signature.types
         modules, dtypes = [], set()
-        for value in graph.inputs:
-            if value.name.startswith(LORA_A_PREFIX):
-                name = value.name[len(LORA_A_PREFIX) :]
-                out_features = graph.input(LORA_B_PREFIX + name).type.shape[3]
-                layers, _, _, in_features = value.type.shape
-                modules.append(LoRAModule(name, int(layers), int(in_features), int(out_features)))
-                dtypes.add(value.type.dtype)
+        for name, tensor_type in signature.inputs:
+            if name.startswith(LORA_A_PREFIX):
+                module = name[len(LORA_A_PREFIX) :]
+                out_features = types[LORA_B_PREFIX + module].shape[3]
+                layers, _, _, in_features = tensor_type.shape
+                modules.append(LoRAModule(module, int(layers), int(in_features), int(out_features)))
+                dtypes.add(tensor_type.dtype)
         (dtype,) = dtypes
         return cls(tuple(modules), dtype)
 
@@ -91,27 +90,3 @@ class LoRASpec:
     def table_bytes(self, slots: int, rank: int) -> int:
         size = np.dtype(HOST_DTYPES[self.dtype]).itemsize
         return sum(int(np.prod(shape)) * size for shape in self.table_shapes(slots, rank).values())
-
-
-def lora_fields(graph: Graph) -> dict[str, Any] | None:
-    """A backend manifest's `lora` entry: the LoRA tables the step takes, None for a step without."""
-    spec = LoRASpec.of_graph(graph)
-    return spec.fields() if spec is not None else None
-
-
-def with_lora_inputs(inputs: StepInputs, spec: LoRASpec, empty_tables: LoRATables) -> StepInputs:
-    """`inputs` with what a step compiled with LoRA takes where the caller gave none: every row on the
-    base model (slot -1) and `empty_tables` (no slots)."""
-    if inputs.lora_slots is not None and inputs.lora_tables:
-        return inputs
-    from dataclasses import replace
-
-    slots = (
-        inputs.lora_slots if inputs.lora_slots is not None else np.full(len(inputs.token_ids), -1, np.int64)
-    )
-    return replace(inputs, lora_slots=slots, lora_tables=inputs.lora_tables or empty_tables)
-
-
-def lora_spec(executable: Any) -> LoRASpec | None:
-    """The LoRA tables an executable's step takes (its `lora_spec`), None where it takes none."""
-    return getattr(executable, "lora_spec", None)

@@ -312,14 +312,13 @@ def _streams(
 def _measure_kiln(
     result: Result, folder: Path, prompt: list[int], args: argparse.Namespace, rounds: list[list[list[int]]]
 ) -> None:
-    from kiln.backends.base import held_weight_bytes
     from kiln.runtime.artifact import load_artifact, read_manifest
 
     artifact = load_artifact(folder)
     config = read_manifest(folder)["model"]["config"]
     weights = folder / artifact.target_entry["weights"]
     executable = artifact.executable
-    held = held_weight_bytes(executable)
+    held = executable.held_weight_bytes
     result.weight_bytes, result.dense_bytes = _artifact_decode_bytes(weights, config, held)
     _prefill_decode(executable, prompt[:64], 4)  # warm up (first-call allocations, thread pools)
     runs = _runs(lambda: _prefill_decode(executable, prompt, args.decode_len), args.repeats, args.row_budget)

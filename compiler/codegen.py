@@ -108,7 +108,7 @@ def _probe(
         cache = allocate_kv_cache(executable, len(blocks) + 1, 16)
         logits = executable.step(build_step_inputs([SequenceSlice(token_ids, 0, blocks)], 16), cache)[0]
     finally:
-        fmt.close_executable(executable)
+        executable.close()
     save_file({"logits": torch.from_numpy(logits.copy())}, str(root / target.folder / fmt.PROBE_FILE))
 
 

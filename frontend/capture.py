@@ -21,12 +21,11 @@ from torch import fx, nn
 from kiln.errors import KilnError, ModelLoadError
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.models import model_class
+from kiln.frontend.models.step import StepTensors
 from kiln.frontend.ops import WRAPPED_OPS
 from kiln.ir import (
-    IMAGE_ROWS_INPUT,
     KV_CACHE_INPUT,
     STEP_INPUT_TYPES,
-    VISIBLE_ENDS_INPUT,
     Graph,
     GraphBuilder,
     TensorType,
@@ -35,7 +34,6 @@ from kiln.ir import (
     verify,
 )
 from kiln.ir.deferred import Deferred, Weight, meta
-from kiln.ir.step import VISIBLE_ENDS_TYPE
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)')
@@ -233,30 +231,53 @@ _METHODS: dict[str, Callable[[_Translator, fx.Node], Value]] = {
 }
 
 
-def trace(model: nn.Module) -> fx.Graph:
-    tracer = fx.Tracer(autowrap_functions=tuple(WRAPPED_OPS))
+class _StepTracer(fx.Tracer):
+    """Traces a step's `forward(step)`: one placeholder an input, in the order given, gathered into
+    the one StepTensors value the model code passes down."""
+
+    def __init__(self, input_names: list[str]) -> None:
+        super().__init__(autowrap_functions=tuple(WRAPPED_OPS))
+        self.input_names = input_names
+
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        named = {name: self.create_proxy("placeholder", name, (), {}) for name in self.input_names}
+        return root_fn, [self.root, StepTensors.of(named)]
+
+
+def trace(model: nn.Module, step_inputs: list[str] | None = None) -> fx.Graph:
+    """`model.forward`'s fx graph: its arguments as they are named, or with `step_inputs`, one
+    StepTensors of those inputs."""
+    tracer = (
+        fx.Tracer(autowrap_functions=tuple(WRAPPED_OPS)) if step_inputs is None else _StepTracer(step_inputs)
+    )
     tracer.record_stack_traces = True
     return tracer.trace(model)
 
 
-def capture_module(module: nn.Module, input_types: dict[str, TensorType], name: str) -> Graph:
-    """The verified IR graph of `module.forward`, whose arguments are typed by `input_types`."""
-    graph = _Translator(module, input_types, name).translate(trace(module))
+def capture_module(
+    module: nn.Module, input_types: dict[str, TensorType], name: str, step: bool = False
+) -> Graph:
+    """The verified IR graph of `module.forward`, whose arguments are typed by `input_types` (with
+    `step`, its one argument a StepTensors of those inputs)."""
+    traced = trace(module, list(input_types) if step else None)
+    graph = _Translator(module, input_types, name).translate(traced)
     verify(graph)
     return graph
 
 
 def step_input_types(config: ModelConfig) -> dict[str, TensorType]:
-    """The step contract's inputs, with the KV cache shaped for `config`."""
+    """The step's inputs: the contract's, the KV cache shaped for `config`, then the optional ones the
+    model's definition takes for it (its `optional_inputs`)."""
     cache = kv_cache_type(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    image_rows = {IMAGE_ROWS_INPUT: TensorType("f32", ("E", config.hidden_size))} if config.image_rows else {}
-    ends = {VISIBLE_ENDS_INPUT: VISIBLE_ENDS_TYPE} if config.bidirectional_images else {}
-    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache, **image_rows, **ends}
+    optional = model_class(config).optional_inputs(config)  # type: ignore[attr-defined]
+    return {**STEP_INPUT_TYPES, KV_CACHE_INPUT: cache, **optional}
 
 
 def capture(model: nn.Module, config: ModelConfig, name: str = "step") -> Graph:
     """The IR graph of `model`'s step, verified."""
-    return capture_module(model, step_input_types(config), name)
+    return capture_module(model, step_input_types(config), name, step=True)
 
 
 def capture_weights(config: ModelConfig, weights: dict[str, Weight], name: str = "step") -> CapturedModel:

@@ -36,6 +36,7 @@ from safetensors.numpy import load_file
 from kiln.backends.base import Executable, Logits, allocate_kv_cache
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, TargetError, mismatch
+from kiln.digests import sha256_file
 from kiln.errors import KilnError
 from kiln.ir.vision import VisionSpec
 from kiln.runtime.pooling import PoolingType
@@ -53,14 +54,6 @@ PROBE_FILE = "probe.safetensors"
 
 class ArtifactError(KilnError):
     """An artifact folder that is missing, corrupt, of another version or for another machine."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def is_artifact(path: Path) -> bool:
@@ -352,13 +345,6 @@ def run_artifact_rank(folder: Path, target: str | None = None) -> None:
     chosen = choose_target(manifest, target)
     entry = manifest["targets"][chosen.name]
     run_worker(_compiled_ranks(entry["backend"], chosen, folder, rank_entries(entry)))
-
-
-def close_executable(executable: Executable) -> None:
-    """Stop what an executable runs beside this process (tensor-parallel workers); nothing otherwise."""
-    close = getattr(executable, "close", None)
-    if close is not None:
-        close()
 
 
 def load_artifact(

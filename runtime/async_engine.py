@@ -352,7 +352,7 @@ class AsyncEngine:
         that arrive while asleep are refused (EngineAsleepError), held ones wait for `wake_up`."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if not getattr(self._engine.executable, "sleeps", True):
+        if not self._engine.executable.sleeps:
             raise ValueError(
                 "this model's executable cannot sleep (a tensor-parallel model's workers hold their own "
                 "KV caches and weights)"

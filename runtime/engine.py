@@ -8,13 +8,20 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiln.backends.base import Executable, KVCache, Logits, embedder, kv_cache_device, release_kv_cache
-from kiln.backends.lora_tables import lora_spec
-from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs, image_spans
+from kiln.backends.base import Executable, KVCache, Logits
+from kiln.ir.step import (
+    IMAGE_ROWS_INPUT,
+    LORA_SLOTS_INPUT,
+    VISIBLE_ENDS_INPUT,
+    SequenceSlice,
+    StepInputs,
+    build_step_inputs,
+    image_spans,
+)
 from kiln.runtime.block_pool import KVBlock, model_root_hash
 from kiln.runtime.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, plan_kv_cache
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -23,6 +30,7 @@ from kiln.runtime.kv_offload import KVConnector, OffloadStats, open_offload
 from kiln.runtime.lora import AdapterReader, AdapterSlots, LoRAConfig, LoRAError, LoRARequest
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.pooling import EMBEDDING_PARAMS, PooledRows, PoolingParams
+from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import SequenceSampling, make_generator, prompt_logprobs, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
@@ -77,18 +85,16 @@ class LLMEngine:
         spec = self.config.speculative
         if (spec is not None and spec.method == "draft_model") != (draft is not None):
             raise ValueError("a draft executable goes with speculative method draft_model, and only with it")
-        self.executable = executable
         self.tokenizer = tokenizer
         self.vision = vision
         self.image_row_base = vocab_size or tokenizer.vocab_size  # token id base + e: image row e
-        self.bidirectional_images = vision is not None and vision.spec.bidirectional
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, max_model_len)
         self.block_size = self.config.block_size
         specs = [executable.kv_cache_spec] + ([draft.kv_cache_spec] if draft is not None else [])
-        cache_device = kv_cache_device(executable)
+        cache_device = executable.kv_cache_device
         self.kv_cache_plan = plan_kv_cache(self.config, specs, self.max_model_len, cache_device)
         self.num_blocks = self.kv_cache_plan.num_blocks
-        self.kv_cache = executable.kv_cache_spec.allocate(self.num_blocks, self.block_size, cache_device)
+        self.runner = ModelRunner(executable, self.num_blocks, self.block_size)
         self.stats = EngineStats()
         self.spec_decoder = (
             SpeculativeDecoder(
@@ -107,7 +113,6 @@ class LLMEngine:
         self.model_id = model_id
         self.weight_version = 0  # bumped by every change of weights (replace_executable)
         self._weights_tag = ""  # in the prefix chain's root: "" for the artifact's weights
-        self.asleep = 0  # the sleep level: 0 awake, 1 without a KV cache, 2 without weights too
         self.adapters = self._adapter_slots(lora, adapter_reader)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.adapters, self.offload)
         self.requests: dict[str, Request] = {}
@@ -116,8 +121,20 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.grammars = Grammars(tokenizer, max(vocab_size or 0, tokenizer.vocab_size))
 
+    @property
+    def executable(self) -> Executable:
+        return self.runner.executable
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        return self.runner.kv_cache
+
+    @property
+    def asleep(self) -> int:
+        return self.runner.asleep
+
     def _adapter_slots(self, lora: LoRAConfig | None, reader: AdapterReader | None) -> AdapterSlots | None:
-        spec = lora_spec(self.executable)
+        spec = self.runner.lora_spec
         if lora is None:
             return None
         if spec is None:
@@ -127,7 +144,7 @@ class LLMEngine:
             )
         if reader is None:
             raise ValueError("serving LoRA adapters needs an adapter reader")
-        tables = spec.allocate(lora.max_loras, lora.max_lora_rank, kv_cache_device(self.executable))
+        tables = self.runner.allocate_lora_tables(spec, lora.max_loras, lora.max_lora_rank)
         return AdapterSlots(spec, lora, tables, reader)
 
     def _open_offload(self, draft: Executable | None) -> KVConnector | None:
@@ -198,8 +215,7 @@ class LLMEngine:
         is returned. Only while no request is in flight, so no sequence holds K/V of two weights; every
         cached prefix is forgotten (its K/V came from the old weights)."""
         self._refuse_with_requests("replace the weights")
-        _check_same_step(self.executable, executable)
-        old, self.executable = self.executable, executable
+        old = self.runner.replace_executable(executable)
         self.weight_version = version
         self._weights_tag = f"#weights{version}:{secrets.token_hex(8)}"
         self._forget_prefixes()
@@ -212,30 +228,17 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._refuse_with_requests("sleep")
         self._unbind_offload()
-        release_kv_cache(self.executable)
-        self.kv_cache = None
         self._forget_prefixes()
-        dropped = None
-        if level == 2 and self.asleep < 2:
-            dropped, self.executable = self.executable, _WeightsDropped(self.executable)
-        self.asleep = max(self.asleep, level)
-        return dropped
+        return self.runner.sleep(level)
 
     def wake_up(self) -> None:
         """A zeroed KV cache again; after level 2 the weights must have been replaced first."""
-        if isinstance(self.executable, _WeightsDropped):
-            raise RuntimeError("the weights were dropped (sleep level 2): replace them before waking up")
-        if self.kv_cache is None:
-            self.kv_cache = self.executable.kv_cache_spec.allocate(
-                self.num_blocks, self.block_size, kv_cache_device(self.executable)
-            )
-            if self.offload is not None:
-                self.offload.bind(self.kv_cache)
-        self.asleep = 0
+        if self.runner.wake_up() and self.offload is not None:
+            self.offload.bind(self.kv_cache)
 
     @property
     def weights_dropped(self) -> bool:
-        return isinstance(self.executable, _WeightsDropped)
+        return self.runner.weights_dropped
 
     def _refuse_with_requests(self, what: str) -> None:
         if self.requests:
@@ -393,13 +396,12 @@ class LLMEngine:
     def check_embeds(self) -> int:
         """The width of the model's embeddings; a ValueError where the served executable has no `embed`
         entry point."""
-        embedding_model = embedder(self.executable)
-        if embedding_model is None:
+        if not self.executable.embeds:
             raise ValueError(
                 "this model cannot embed: its artifact has no `embed` function (the ONNX Runtime and "
                 "TensorRT backends, tensor parallelism, and artifacts compiled before kiln had one lack it)"
             )
-        return embedding_model.embedding_size
+        return self.executable.embedding_size
 
     def place_images(
         self, prompt: str | Seq[int], images: Seq[ImageEmbedding]
@@ -462,8 +464,6 @@ class LLMEngine:
         if self.spec_decoder is not None:
             self.spec_decoder.scheduled(scheduled.chunks, self.kv.block_table, self.scheduler.running)
         self.stats.num_steps += 1
-        if self.kv_cache is None:
-            raise RuntimeError("the engine is asleep: wake it up before stepping")
         pooling = [chunk for chunk in scheduled.chunks if chunk.seq.request.pooled is not None]
         generating = [chunk for chunk in scheduled.chunks if chunk.seq.request.pooled is None]
         started = time.perf_counter()
@@ -471,7 +471,7 @@ class LLMEngine:
         if pooling:
             self._pool(pooling, touched)
         slices = [self._slice(chunk) for chunk in generating]
-        logits = self.executable.step(self._step_inputs(slices), self.kv_cache) if generating else _NO_ROWS
+        logits = self.runner.step(self._step_inputs(slices)) if generating else _NO_ROWS
         self.scheduler.step_cost.observe(
             scheduled.decode_rows, scheduled.num_prefill_tokens, time.perf_counter() - started
         )
@@ -504,20 +504,20 @@ class LLMEngine:
         return [self._output(request) for request in touched.values()]
 
     def _step_inputs(self, slices: list[SequenceSlice]) -> StepInputs:
-        inputs = build_step_inputs(
-            slices, self.block_size, self.image_row_base, self.bidirectional_images, self.adapters is not None
+        signature = self.runner.signature
+        return build_step_inputs(
+            slices,
+            self.block_size,
+            self.image_row_base if signature.takes(IMAGE_ROWS_INPUT) else None,
+            signature.takes(VISIBLE_ENDS_INPUT),
+            signature.takes(LORA_SLOTS_INPUT) and self.adapters is not None,
         )
-        if self.adapters is not None:
-            inputs = replace(inputs, lora_tables=self.adapters.tables)
-        return inputs
 
     def _pool(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
         """Embedding requests' prompt chunks through `embed`; a request whose prompt has run ends with
         its pooled vector."""
-        embedding_model = embedder(self.executable)
-        assert embedding_model is not None and self.kv_cache is not None
         slices = [self._slice(chunk, self._pooled_rows(chunk)) for chunk in chunks]
-        hidden = embedding_model.embed(self._step_inputs(slices), self.kv_cache)
+        hidden = self.runner.embed(self._step_inputs(slices))
         row = 0
         for chunk, piece in zip(chunks, slices, strict=True):
             seq, pooled = chunk.seq, chunk.seq.request.pooled
@@ -730,26 +730,3 @@ class LLMEngine:
         while self.has_unfinished_requests():
             finished += [output for output in self.step() if output.finished]
         return finished
-
-
-class _WeightsDropped:
-    """What a level-2 sleep leaves of an executable: its KV cache's layout, no weights, no step."""
-
-    def __init__(self, executable: Executable) -> None:
-        self.kv_cache_spec = executable.kv_cache_spec
-        self.kv_cache_device = kv_cache_device(executable)
-        self.lora_spec = lora_spec(executable)
-
-    def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
-        raise RuntimeError("the weights were dropped (sleep level 2)")
-
-
-def _check_same_step(serving: Executable, new: Executable) -> None:
-    """New weights must come with the same compiled step: same KV cache, where, and LoRA tables."""
-    for what, old, now in (
-        ("KV cache", serving.kv_cache_spec, new.kv_cache_spec),
-        ("KV cache device", kv_cache_device(serving), kv_cache_device(new)),
-        ("LoRA tables", lora_spec(serving), lora_spec(new)),
-    ):
-        if old != now:
-            raise ValueError(f"the new executable's {what} ({now}) is not the served one's ({old})")

@@ -32,6 +32,7 @@ import numpy as np
 
 from kiln.backends.base import BackendError, Executable, Logits
 from kiln.ir import StepInputs
+from kiln.ir.step import STEP as STEP_ENTRY
 from kiln.runtime.weights_file import read_weights_file
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class TensorParallelExecutable:
+class TensorParallelExecutable(Executable):
     """Rank 0 of `world`, started with its worker processes (or joined by torchrun's); an Executable
     for the engine."""
 
@@ -223,7 +224,9 @@ class TensorParallelExecutable:
         except BaseException:
             _restore_threads(*self._threads)
             raise
-        self.kv_cache_spec = self.executable.kv_cache_spec
+        # its workers take the contract's inputs only, and it has no `embed`
+        self.signature = self.executable.signature.with_entry_points((STEP_ENTRY,), None)
+        self.kv_cache_device = self.executable.kv_cache_device
         self.workers: list[multiprocessing.process.BaseProcess] = []
         init_method = "env://"
         if launch is None:
@@ -245,6 +248,8 @@ class TensorParallelExecutable:
         import torch.distributed as dist
 
         self._check_workers()
+        if inputs.optional:
+            raise BackendError(f"tensor-parallel steps take no {', '.join(inputs.optional)}")
         try:
             if kv_cache is not self._cache:
                 header = torch.zeros(HEADER, dtype=torch.int64)

@@ -187,7 +187,7 @@ def bundle(out: Path, arch: str) -> None:
 
 
 def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
-    from kiln.backends.kv_manifest import kv_cache_spec
+    from kiln.backends.signature_record import read_signature
     from kiln.backends.tvm.executable import TVMExecutable
 
     description = json.loads((folder / "step.json").read_text())
@@ -197,9 +197,10 @@ def _load(folder: Path, weights: dict[str, torch.Tensor]) -> Any:
         folder / "step.so",
         description["params"],
         weights,
-        kv_cache_spec(description["kv_cache"]),
+        read_signature(description, folder),
         "cuda",
         cuda_graphs=description["cuda_graph"]["enabled"],
+        embed_params=description.get("embed_params"),
     )
 
 

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
+from kiln.backends.base import Executable
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.pull import kiln_home
 
@@ -273,13 +274,13 @@ def _tiny_tokenizer() -> Any:
     return Tokenizer(json.dumps(data), TINY_CHAT_TEMPLATE, None, "</s>", False, [1])
 
 
-class FaultyExecutable:
+class FaultyExecutable(Executable):
     """Fault injection around a real executable: from step call `fail_at_step` on (None: never) its
-    step raises RuntimeError; every step first sleeps `step_delay_s` (a slow device)."""
+    step raises RuntimeError; every step first sleeps `step_delay_s` (a slow device). It has no `embed`."""
 
     def __init__(self, inner: Any, fail_at_step: int | None, step_delay_s: float) -> None:
         self.inner = inner
-        self.kv_cache_spec = inner.kv_cache_spec
+        self.signature = inner.signature.with_entry_points(("step",), None)
         self.fail_at_step = fail_at_step
         self.step_delay_s = step_delay_s
         self.calls = 0

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import onnxruntime as ort
-import torch
+from typing import TYPE_CHECKING
 
 from kiln.backends.base import (
     BackendError,
@@ -17,15 +15,15 @@ from kiln.backends.base import (
     StoredWeight,
     leave_cores_to_compiled_code,
 )
-from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
-from kiln.backends.lora_tables import lora_fields
-from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
 from kiln.backends.onnx.capabilities import onnx_capabilities
-from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
-from kiln.backends.onnxruntime.session import providers, session_config, session_options
+from kiln.backends.signature_record import read_signature, signature_record
 from kiln.backends.targets import Target
-from kiln.ir import Program
 from kiln.ir.host_arrays import torch_weights
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.ir import Program
 
 SESSION_KEY = "session"
 
@@ -35,7 +33,9 @@ class OnnxRuntimeBackend:
     copies_weights = True
 
     def version(self) -> str:
-        return f"onnxruntime-{ort.__version__}"
+        import onnxruntime
+
+        return f"onnxruntime-{onnxruntime.__version__}"
 
     def capabilities(self, target: Target) -> Capabilities:
         unavailable = None
@@ -49,11 +49,13 @@ class OnnxRuntimeBackend:
     def compile(
         self, program: Program, target: Target, folder: Path, settings: CompileSettings
     ) -> CompiledCode:
+        from kiln.backends.onnx import LoweringOptions, check_model, lower_program, write_lowered
+        from kiln.backends.onnxruntime.session import session_config
+
         lowered = lower_program(program, LoweringOptions(contrib_ops=True))
         checks = check_model(lowered.model)
         config = session_config(target, settings)
-        kv_cache = kv_cache_fields(program.graph)
-        extra = {SESSION_KEY: config, "kv_cache": kv_cache, "lora": lora_fields(program.graph)}
+        extra = {SESSION_KEY: config, **signature_record(program.graph)}
         files = write_lowered(lowered, folder, {**extra, "checks": checks})
         manifest = {
             "onnx": {
@@ -66,6 +68,8 @@ class OnnxRuntimeBackend:
         return CompiledCode(files, dict(lowered.kernels), manifest)
 
     def check_structure(self, folder: Path, target: Target) -> list[str]:
+        from kiln.backends.onnx import check_model, read_lowered
+
         model, meta = read_lowered(folder)
         lines = check_model(model)
         for name in meta[SESSION_KEY].get("providers", []):
@@ -88,6 +92,10 @@ class OnnxRuntimeBackend:
         return None  # the program's weights as they are
 
     def load(self, folder: Path, weights: dict[str, torch.Tensor], target: Target) -> Executable:
+        from kiln.backends.onnx import read_lowered
+        from kiln.backends.onnxruntime.executable import OnnxRuntimeExecutable
+        from kiln.backends.onnxruntime.session import providers, session_options
+
         model, meta = read_lowered(folder)
         config = meta.get(SESSION_KEY)
         if config is None:
@@ -100,7 +108,7 @@ class OnnxRuntimeBackend:
             torch_weights(weights),
             session_options(config),
             providers(config),
-            kv_cache_spec(meta["kv_cache"]),
+            read_signature(meta, folder),
         )
 
 

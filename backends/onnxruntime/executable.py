@@ -10,12 +10,11 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from kiln.backends.base import BackendError, KVCache, KVCacheSpec, Logits
-from kiln.backends.lora_tables import LoRASpec, with_lora_inputs
+from kiln.backends.base import BackendError, Executable, KVCache, Logits
 from kiln.backends.onnx import WeightBinding, materialize
-from kiln.ir import IMAGE_ROWS_INPUT, KV_CACHE_INPUT, VISIBLE_ENDS_INPUT, StepInputs
+from kiln.ir import KV_CACHE_INPUT, StepInputs
 from kiln.ir.host_arrays import as_torch
-from kiln.ir.step import causal_visible_ends
+from kiln.ir.step import StepSignature, fill_absent
 
 _NUMPY = {
     torch.float32: np.float32,
@@ -55,7 +54,7 @@ def ort_value(tensor: torch.Tensor) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
 
 
-class OnnxRuntimeExecutable:
+class OnnxRuntimeExecutable(Executable):
     def __init__(
         self,
         model: onnx.ModelProto,
@@ -63,7 +62,7 @@ class OnnxRuntimeExecutable:
         weights: dict[str, torch.Tensor],
         options: ort.SessionOptions,
         providers: list[tuple[str, dict[str, str]]],
-        kv_cache_spec: KVCacheSpec,
+        signature: StepSignature,
     ) -> None:
         bindings = [WeightBinding.from_json(b) for b in meta["bindings"]]
         self._bound = {b.name: materialize(b, weights) for b in bindings}  # kept alive: ORT reads them
@@ -74,7 +73,7 @@ class OnnxRuntimeExecutable:
             self.session = ort.InferenceSession(in_memory.SerializeToString(), options, providers=providers)
         except Exception as error:  # onnxruntime raises its own untyped exceptions
             raise BackendError(f"ONNX Runtime cannot load the model: {error}") from None
-        self.kv_cache_spec = kv_cache_spec
+        self.signature = signature
         on_gpu = any(name == "CUDAExecutionProvider" for name, _ in providers)
         self.kv_cache_device = "cuda" if on_gpu else "cpu"  # where the cache is bound: no copies a step
         (self._logits_name,) = meta["outputs"]
@@ -86,16 +85,6 @@ class OnnxRuntimeExecutable:
             raise BackendError(f"the logits output {self._logits_name} has no fixed vocabulary size")
         self._vocab = vocab
         self._logits_dtype = torch.float16 if "float16" in outputs[self._logits_name].type else torch.float32
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        image_rows = inputs.get(IMAGE_ROWS_INPUT)
-        self._image_rows = int(image_rows.shape[1]) if image_rows is not None else None  # its hidden size
-        self._visible_ends = VISIBLE_ENDS_INPUT in inputs
-        # the manifest's `lora` entry (the backend writes it, null without LoRA); a step given no tables
-        # binds one zero slot of rank 1 where the cache lives (no slot matches -1: every row on the base
-        # model), not empty ones: no GEMM over zero columns for an EP to special-case, no copy a step
-        self.lora_spec = LoRASpec.from_fields(meta.get("lora"))
-        spec = self.lora_spec
-        self._no_lora = spec.allocate(1, 1, self.kv_cache_device) if spec is not None else {}
 
     @staticmethod
     def _bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
@@ -114,18 +103,16 @@ class OnnxRuntimeExecutable:
         if not kv_cache.is_contiguous():
             raise BackendError("the KV cache must be contiguous to be bound zero-copy")
         binding = self.session.io_binding()
-        if self.lora_spec is not None:
-            inputs = with_lora_inputs(inputs, self.lora_spec, self._no_lora)
-        tables = dict(inputs.lora_tables or {})
-        arrays = {name: a for name, a in inputs.as_dict().items() if name not in tables}
-        if self._visible_ends and VISIBLE_ENDS_INPUT not in arrays:
-            arrays[VISIBLE_ENDS_INPUT] = causal_visible_ends(inputs)
-        given = {name: torch.from_numpy(a).to(kv_cache.device) for name, a in arrays.items()}
-        # the runtime's tables, bound where it keeps them (written in place between steps: never copied
-        # here; ONNX Runtime copies host ones to the EP's device within the run)
-        given.update({name: self._table(name, table) for name, table in tables.items()})
-        if self._image_rows is not None and IMAGE_ROWS_INPUT not in given:  # a step without images
-            given[IMAGE_ROWS_INPUT] = torch.zeros((0, self._image_rows), device=kv_cache.device)
+        # a step given no LoRA tables binds one zero slot of rank 1 where the cache lives (fill_absent; no
+        # slot matches -1: every row on the base model), not empty ones: no GEMM over zero columns for an
+        # EP to special-case. The runtime's tables are bound where it keeps them (written in place
+        # between steps: never copied here; ONNX Runtime copies host ones to the EP's device in the run).
+        given: dict[str, torch.Tensor] = {}
+        for name, array in fill_absent(inputs, self.signature, self.kv_cache_device).as_dict().items():
+            if self.signature.runtime_owned(name):
+                given[name] = self._table(name, array)
+            else:
+                given[name] = torch.from_numpy(array).to(kv_cache.device)
         for name, tensor in given.items():
             self._bind_input(binding, name, tensor)
         self._bind_input(binding, KV_CACHE_INPUT, kv_cache)

@@ -22,9 +22,9 @@ from kiln.backends.base import (
     ImageEncoder,
     StoredWeight,
 )
-from kiln.backends.kv_manifest import kv_cache_fields, kv_cache_spec
 from kiln.backends.onnx import LoweringOptions, check_model, lower_program, read_lowered, write_lowered
 from kiln.backends.onnx.capabilities import onnx_capabilities
+from kiln.backends.signature_record import read_signature, signature_record
 from kiln.backends.targets import Target, mismatch
 from kiln.ir import Program
 
@@ -56,7 +56,7 @@ class TensorRTBackend:
     ) -> CompiledCode:
         lowered = lower_program(program, LoweringOptions(contrib_ops=False))
         checks = check_model(lowered.model)
-        files = write_lowered(lowered, folder, {"kv_cache": kv_cache_fields(program.graph), "checks": checks})
+        files = write_lowered(lowered, folder, {**signature_record(program.graph), "checks": checks})
         reason = mismatch(target)
         if reason is not None:
             raise DeviceRequiredError(
@@ -112,4 +112,4 @@ class TensorRTBackend:
             )
         from kiln.backends.tensorrt.executable import TensorRTExecutable  # not exercised here
 
-        return TensorRTExecutable(folder / engine, meta, kv_cache_spec(meta["kv_cache"]))
+        return TensorRTExecutable(folder / engine, meta, read_signature(meta, folder))

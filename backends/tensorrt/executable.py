@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from kiln.backends.base import BackendError, KVCacheSpec, Logits, check_kv_cache_device
+from kiln.backends.base import BackendError, Executable, Logits, check_kv_cache_device
 from kiln.ir import KV_CACHE_INPUT, StepInputs
+from kiln.ir.step import StepSignature, fill_absent
 
 
-class TensorRTExecutable:
-    def __init__(self, engine_file: Path, meta: dict[str, Any], kv_cache_spec: KVCacheSpec) -> None:
+class TensorRTExecutable(Executable):
+    def __init__(self, engine_file: Path, meta: dict[str, Any], signature: StepSignature) -> None:
         try:
             import tensorrt as trt
         except ImportError as error:
@@ -27,7 +28,7 @@ class TensorRTExecutable:
         if self.engine is None:
             raise BackendError(f"{engine_file}: TensorRT cannot deserialize the engine")
         self.context = self.engine.create_execution_context()
-        self.kv_cache_spec = kv_cache_spec
+        self.signature = signature
         self.kv_cache_device = "cuda"
         (self._logits,) = meta["outputs"]
         self._kv_output = meta.get("kv_output")
@@ -38,7 +39,8 @@ class TensorRTExecutable:
     def step(self, inputs: StepInputs, kv_cache: torch.Tensor) -> Logits:
         check_kv_cache_device(kv_cache, self.kv_cache_device)
         device = kv_cache.device
-        given = {name: torch.from_numpy(a).to(device) for name, a in inputs.as_dict().items()}
+        filled = fill_absent(inputs, self.signature).as_dict()
+        given = {name: torch.from_numpy(a).to(device) for name, a in filled.items()}
         given[KV_CACHE_INPUT] = kv_cache
         for name, tensor in given.items():
             if not self.context.set_input_shape(name, tuple(tensor.shape)):

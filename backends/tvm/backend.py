@@ -2,11 +2,9 @@
 
 <target>/step.so     the compiled `step` and, on the CPU, `decode` (Relax VM executable and its kernels;
                      no weights)
-<target>/step.json   the weight parameters and their layouts, the KV cache spec, target details, the
-                     functions in step.so (`embed`: how many of the params it takes, the first ones),
-                     the optional inputs they take (image_rows: its width;
-                     visible_ends: whether; lora: the LoRA tables' LoRASpec fields, or null; an
-                     artifact from before a field takes none)
+<target>/step.json   the weight parameters and their layouts, target details, the step's signature
+                     (ir/step.py StepSignature: its inputs in order, the KV cache's among them, and
+                     the functions in step.so) and how many of the params `embed` takes (the first)
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from kiln.backends.base import (
     integer_dot_refusal,
     leave_cores_to_compiled_code,
 )
-from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, kv_cache_spec, takes_visible_ends
-from kiln.backends.lora_tables import LoRASpec, lora_fields
+from kiln.backends.signature_record import read_signature, signature_record
 from kiln.backends.targets import TRIPLES, Target, cross_compiler, host_machine
 from kiln.backends.tvm.cpu_features import missing_features
 from kiln.backends.tvm.executable import (
@@ -147,13 +144,8 @@ class TVMBackend:
             "cpu_features": cpu.required_features(llvm),
             "num_threads": settings.num_threads,
             "params": [spec.to_dict() for spec in lowered.params],
-            "functions": lowered.functions,
             "embed_params": lowered.embed_params,
-            "embed_width": lowered.embed_width,
-            "kv_cache": kv_cache_fields(program.graph),
-            "image_rows": image_rows_width(program.graph),
-            "visible_ends": takes_visible_ends(program.graph),
-            "lora": lora_fields(program.graph),
+            **signature_record(program.graph, lowered.functions, lowered.embed_width),
         }
         (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
         from kiln.backends.tvm.layouts import stored_weights
@@ -207,15 +199,10 @@ class TVMBackend:
             folder / LIBRARY,
             description["params"],
             weights,
-            kv_cache_spec(description["kv_cache"]),
+            read_signature(description, folder),
             description["device"],
-            description.get("functions", ["step"]),
-            embed_params=description.get("embed_params"),
-            embedding_size=description.get("embed_width"),
             cuda_graphs=description.get("cuda_graph", {}).get("enabled", False),
-            image_rows=description.get("image_rows"),
-            visible_ends=description.get("visible_ends", False),
-            lora=LoRASpec.from_fields(description.get("lora")),
+            embed_params=description.get("embed_params"),
         )
 
     def compile_encoder(

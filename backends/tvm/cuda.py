@@ -9,7 +9,7 @@ fatbin holding a cubin (SASS) for the arch plus its PTX.
 
 <target>/step.so     the compiled `step` with its device code (no weights)
 <target>/step.json   parameters and layouts, KV cache spec, gpu_arch, what was compiled how, CUDA graphs,
-                     the optional inputs (image_rows, visible_ends, lora: as backend.py writes them)
+                     the step's signature (as backend.py writes it)
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends.base import BackendError, CompiledCode, CompileSettings
-from kiln.backends.kv_manifest import image_rows_width, kv_cache_fields, takes_visible_ends
-from kiln.backends.lora_tables import lora_fields
+from kiln.backends.signature_record import signature_record
 from kiln.backends.targets import FLOAT8_HINT, Target, cross_compiler, float8_kv_cache_refusal
 from kiln.backends.tvm.cuda_graphs import DECODE_BUCKETS
 from kiln.backends.tvm.executable import STEP_ABI
 from kiln.backends.tvm.layouts import stored_weights
-from kiln.ir import Program, graph_to_json
+from kiln.ir import KV_CACHE_INPUT, Program, graph_to_json
 
 LIBRARY = "step.so"
 DESCRIPTION = "step.json"
@@ -211,8 +210,7 @@ def compile_cuda(
 ) -> CompiledCode:
     arch = target.gpu_arch
     assert arch is not None
-    kv_cache = kv_cache_fields(program.graph)
-    if kv_cache["dtype"] == "f8e4m3":
+    if program.graph.input(KV_CACHE_INPUT).type.dtype == "f8e4m3":
         refusal = float8_kv_cache_refusal(target)
         if refusal is not None:
             raise BackendError(refusal, hint=FLOAT8_HINT)
@@ -235,13 +233,8 @@ def compile_cuda(
             "nvcc": result["nvcc_flags"],
         },
         "params": result["params"],
-        "functions": result["functions"],
         "embed_params": result.get("embed_params"),
-        "embed_width": result.get("embed_width"),
-        "kv_cache": kv_cache,
-        "image_rows": image_rows_width(program.graph),
-        "visible_ends": takes_visible_ends(program.graph),
-        "lora": lora_fields(program.graph),
+        **signature_record(program.graph, result["functions"], result.get("embed_width")),
         "cuda_graph": graphs,
     }
     (folder / DESCRIPTION).write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")

@@ -58,8 +58,9 @@ def table_width(blocks: int) -> int:
     return 1 << max(0, (blocks - 1).bit_length())
 
 
-def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
-    """The step with `bucket` sequences and block tables `width` wide; the extra sequences are empty."""
+def pad_decode(inputs: StepInputs, bucket: int, width: int, row_fills: Mapping[str, int]) -> StepInputs:
+    """The step with `bucket` sequences and block tables `width` wide; the extra sequences are empty (a
+    row input's padding rows hold its `row_fills` value)."""
     sequences = inputs.seq_lens.shape[0]
     extra = bucket - sequences
 
@@ -77,8 +78,10 @@ def pad_decode(inputs: StepInputs, bucket: int, width: int) -> StepInputs:
         seq_lens=padded(inputs.seq_lens, 0),
         query_start_loc=padded(inputs.query_start_loc, sequences),
         logits_indices=np.arange(bucket, dtype=np.int64),
-        visible_ends=None if inputs.visible_ends is None else padded(inputs.visible_ends, 1),
-        lora_slots=None if inputs.lora_slots is None else padded(inputs.lora_slots, -1),
+        optional={
+            name: padded(array, row_fills[name]) if name in row_fills else array
+            for name, array in inputs.optional.items()
+        },
     )
 
 
@@ -92,19 +95,20 @@ class GraphKey:
     cache_shape: tuple[int, ...]
     cache_dtype: torch.dtype
     cache_device: str
-    lora_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (address, shape) of each LoRA table
+    owned: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (address, shape) of each runtime-owned input
 
 
 def graph_key(
-    bucket: int, width: int, kv_cache: torch.Tensor, lora_tables: Mapping[str, Any] | None = None
+    bucket: int, width: int, kv_cache: torch.Tensor, owned: Mapping[str, Any] | None = None
 ) -> GraphKey:
-    tables = tuple((_address(t), tuple(t.shape)) for _, t in sorted((lora_tables or {}).items()))
+    """`owned`: the step's runtime-owned inputs (LoRA tables), by name."""
+    tables = tuple((_address(t), tuple(t.shape)) for _, t in sorted((owned or {}).items()))
     cache = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, str(kv_cache.device))
     return GraphKey(bucket, width, *cache, tables)
 
 
 def _address(table: Any) -> int:
-    """A LoRA table's data address: a tensor's (a GPU's), an array's (the CPU stand-ins of the tests)."""
+    """A runtime-owned input's data address: a tensor's (a GPU's), an array's (CPU stand-ins)."""
     return int(table.ctypes.data) if isinstance(table, np.ndarray) else int(table.data_ptr())
 
 
@@ -118,7 +122,7 @@ class Captured:
     tensors: list[torch.Tensor]  # the captured input buffers, refilled before each replay
     logits: torch.Tensor  # the captured output buffer, overwritten by each replay
     kv_cache: torch.Tensor  # held so that its address, part of the key, is not reused
-    lora_tables: Mapping[str, Any] | None = None  # held likewise (set by DecodeGraphs.run)
+    owned: Mapping[str, Any] | None = None  # the runtime-owned inputs, held likewise (set by run)
 
 
 Capture = Callable[[Any, list[IndexArray], torch.Tensor], Captured]
@@ -171,9 +175,11 @@ class DecodeGraphs:
         if not self.enabled or bucket is None:
             return None
         width = table_width(inputs.block_tables.shape[1])
-        padded = pad_decode(inputs, bucket, width)
+        signature = executable.signature
+        padded = pad_decode(inputs, bucket, width, signature.row_fills)
         host = executable.step_tensors(padded)
-        key = graph_key(bucket, width, kv_cache, inputs.lora_tables)
+        owned = {name: a for name, a in inputs.optional.items() if signature.runtime_owned(name)}
+        key = graph_key(bucket, width, kv_cache, owned)
         entry = self.captured.get(key)
         if entry is None:
             try:
@@ -184,7 +190,7 @@ class DecodeGraphs:
                 self.enabled = False
                 self.failure = f"{type(error).__name__}: {error}"
                 return None
-            entry.lora_tables = dict(inputs.lora_tables) if inputs.lora_tables else None
+            entry.owned = owned or None
             self.captured[key] = entry
         for buffer, tensor in zip(entry.tensors, executable.upload(host), strict=True):
             buffer.copy_(tensor)

@@ -21,12 +21,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.backends.base import BackendError, Hidden, KVCache, KVCacheSpec, Logits, check_kv_cache_device
-from kiln.backends.lora_tables import LoRASpec, LoRATables, with_lora_inputs
+from kiln.backends.base import BackendError, Executable, Hidden, KVCache, Logits, check_kv_cache_device
 from kiln.backends.tvm.abi import ALIGNMENT, stored_name
 from kiln.backends.tvm.collectives import register_collectives
 from kiln.ir.host_arrays import as_numpy, as_torch, exportable, ir_dtype_of
-from kiln.ir.step import EMBED, LORA_A_PREFIX, LORA_B_PREFIX, IndexArray, StepInputs
+from kiln.ir.step import (
+    DECODE,
+    EMBED,
+    KV_CACHE_INPUT,
+    LORA_A_PREFIX,
+    STEP,
+    IndexArray,
+    StepInputs,
+    StepSignature,
+    fill_absent,
+    zeros,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,13 +46,10 @@ if TYPE_CHECKING:
 ROW_BLOCK = 4
 LORA_MAX_RANK_CUDA = 256  # kernels/lora.py MAX_RANK (not imported: that module needs the TVM compiler)
 # The calling convention of the compiled functions; an artifact of another one is refused at load.
-# 2: (token_ids[tq,4], positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-#     logits_indices[lq,4], kv_cache, row_counts[2], *weights); a vision-language model's image_rows
-#     after kv_cache, then a model with bidirectional images' visible_ends[tq,4], then a model compiled
-#     with LoRA's lora_slots[tq,4] and its tables (lora_a.<module>, lora_b.<module> for each module of
-#     its LoRASpec in turn), all before row_counts (lowering.py)
+# 2: (*inputs, row_counts[2], *weights): the step signature's inputs in its order (ir/step.py
+#     StepSignature; token and logits rows passed as [row blocks, 4]), then the real token and logits
+#     row counts (lowering.py)
 STEP_ABI = 2
-STEP_INPUTS = 7  # the step contract's inputs before kv_cache
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
 _runtime_loaded = False
 _cuda_runtime_loaded = False
@@ -145,56 +152,43 @@ def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copy
 
 
-def step_tensors(inputs: StepInputs, visible_ends: bool = False, lora: bool = False) -> list[IndexArray]:
-    """The compiled function's host token inputs (rows padded): the step contract's STEP_INPUTS, then
-    visible_ends where the function takes it (`visible_ends`), then lora_slots where it takes them
-    (`lora`: padding rows and a step given none get -1), then `row_counts`, in arrays of their own
-    (HostStepBuffers reuses its arrays from step to step)."""
-    return HostStepBuffers(visible_ends, lora).tensors(inputs)
+def step_tensors(inputs: StepInputs, signature: StepSignature) -> list[IndexArray]:
+    """The compiled function's host index inputs (rows padded), in the order it takes them, then
+    `row_counts`, in arrays of their own (HostStepBuffers reuses its arrays from step to step). `inputs`
+    must hold every input `signature` takes (ir.step.fill_absent)."""
+    return HostStepBuffers(signature).tensors(inputs)
+
+
+def index_inputs(signature: StepSignature) -> list[str]:
+    """The inputs passed as host index arrays (the contract's and the per-step optional int64 ones), in
+    the order the function takes them; the KV cache, runtime-owned tables and float rows go apart."""
+    return [
+        name
+        for name, tensor_type in signature.inputs
+        if name != KV_CACHE_INPUT and tensor_type.dtype == "i64" and not signature.runtime_owned(name)
+    ]
 
 
 class HostStepBuffers:
-    """`step_tensors`' arrays written into aligned buffers kept from step to step, one a tensor, grown
+    """`step_tensors`' arrays written into aligned buffers kept from step to step, one an input, grown
     when a step needs more: no allocation on the decode loop's critical path. A CPU step finishes
     before the next is built, so each buffer is free again when the next step fills it."""
 
-    def __init__(self, visible_ends: bool = False, lora: bool = False) -> None:
-        self.visible_ends = visible_ends  # the function takes visible_ends
-        self.lora = lora  # the function takes lora_slots
-        self._buffers: list[IndexArray | None] = [None] * 10
+    def __init__(self, signature: StepSignature) -> None:
+        self.names = index_inputs(signature)
+        self.row_fills = signature.row_fills
+        self._buffers: list[IndexArray | None] = [None] * (len(self.names) + 1)
 
     def tensors(self, inputs: StepInputs) -> list[IndexArray]:
-        num_logits = inputs.logits_indices.shape[0]
-        return [
-            self._rows(0, inputs.token_ids, 0),
-            self._rows(1, inputs.positions, 0),
-            self._rows(2, inputs.slot_mapping, -1),
-            self._copy(3, inputs.block_tables),
-            self._copy(4, inputs.seq_lens),
-            self._copy(5, inputs.query_start_loc),
-            self._rows(6, inputs.logits_indices, 0),
-            *([self._visible_ends(8, inputs)] if self.visible_ends else []),
-            *([self._lora_slots(9, inputs)] if self.lora else []),
-            self._copy(7, np.array([inputs.token_ids.shape[0], num_logits], dtype=np.int64)),
-        ]
-
-    def _lora_slots(self, index: int, inputs: StepInputs) -> IndexArray:
-        """Each token row's adapter slot; -1 (no adapter) for the padding rows and a step given none."""
-        slots = inputs.lora_slots
-        if slots is None:
-            slots = np.full(inputs.token_ids.shape, -1, dtype=np.int64)
-        if slots.shape != inputs.token_ids.shape:
-            rows = len(inputs.token_ids)
-            raise BackendError(f"lora_slots {list(slots.shape)}: not one for each of the {rows} token rows")
-        return self._rows(index, slots, -1)
-
-    def _visible_ends(self, index: int, inputs: StepInputs) -> IndexArray:
-        """The step's visible_ends; without any (a step without images), each row's position + 1."""
-        if inputs.visible_ends is not None:
-            return self._rows(index, inputs.visible_ends, 1)
-        ends = self._rows(index, inputs.positions, 0)
-        ends += 1
-        return ends
+        given = inputs.as_dict()
+        arrays = []
+        for index, name in enumerate(self.names):
+            if name in self.row_fills:
+                arrays.append(self._rows(index, given[name], self.row_fills[name]))
+            else:
+                arrays.append(self._copy(index, given[name]))
+        counts = np.array([inputs.token_ids.shape[0], inputs.logits_indices.shape[0]], dtype=np.int64)
+        return [*arrays, self._copy(len(self.names), counts)]
 
     def _take(self, index: int, size: int) -> IndexArray:
         buffer = self._buffers[index]
@@ -215,36 +209,27 @@ class HostStepBuffers:
         return copy
 
 
-class TVMExecutable:
+class TVMExecutable(Executable):
     def __init__(
         self,
         library: Path,
         params: list[dict[str, Any]],
         weights: dict[str, torch.Tensor],
-        kv_cache_spec: KVCacheSpec,
+        signature: StepSignature,
         device: str = "cpu",
-        functions: list[str] | None = None,
         cuda_graphs: bool = False,
-        image_rows: int | None = None,
-        visible_ends: bool = False,
-        lora: LoRASpec | None = None,
         embed_params: int | None = None,
-        embedding_size: int | None = None,
     ) -> None:
-        """`embed_params`: how many of the weights `embed` takes (None: the library has no `embed`).
-        `image_rows`: the hidden size of a vision-language model's image rows input (ir/step.py
-        IMAGE_ROWS_INPUT), None for a text model. `visible_ends`: the step takes visible_ends
-        (VISIBLE_ENDS_INPUT); a step given none gets each row's position + 1. `lora`: the LoRA tables
-        the step takes (ir/step.py LORA_*), None for a step compiled without; a step given none runs
-        every row on the base model."""
+        """`signature`: what the library's functions take, in order, and which it has (`decode`: one
+        block of rows; `embed`, which takes the first `embed_params` of the weights)."""
         if device == "cuda":
-            import torch  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
+            import torch  # noqa: F401  # before tvm_ffi, which then sets up its torch streams (CUDA graphs)
 
             load_cuda_runtime()
         ffi = load_runtime()
         register_collectives(ffi)
         self.ffi = ffi
-        self.kv_cache_spec = kv_cache_spec
+        self.signature = signature
         self.device = device
         self.kv_cache_device = device
         try:
@@ -257,37 +242,27 @@ class TVMExecutable:
             self.vm["vm_initialization"](device_type, 0, 2)
         else:
             self.vm["vm_initialization"](device_type, 0, 2, _DEVICE_TYPES["cpu"], 0, 2)
-        self.function = self.vm["step"]
-        self.visible_ends = visible_ends
-        self.lora_spec = lora
-        self._host_buffers = HostStepBuffers(visible_ends, lora is not None)
-        self._no_image_rows: Any = None
-        if image_rows is not None:
-            self._no_image_rows = _aligned_empty((0, image_rows), np.dtype(np.float32))
-            if device != "cpu":
-                import torch
-
-                self._no_image_rows = torch.from_numpy(self._no_image_rows).to(device)
-        self.decode_function = self.vm["decode"] if "decode" in (functions or []) else None
-        has_embed = EMBED in (functions or []) and embed_params is not None
+        self.function = self.vm[STEP]
+        self._index_names = index_inputs(signature)
+        self._host_buffers = HostStepBuffers(signature)
+        self.decode_function = self.vm[DECODE] if signature.has(DECODE) else None
+        has_embed = signature.has(EMBED) and embed_params is not None
         self.embed_function = self.vm[EMBED] if has_embed else None
+        if not has_embed:
+            self.signature = signature.with_entry_points(
+                [e for e in signature.entry_points if e != EMBED], None
+            )
         self.embed_params = embed_params or 0
-        self.embedding_size = embedding_size or 0
         self._weights = [self._param(spec, weights) for spec in params]  # host arrays, or device tensors
-        self.held_weight_bytes: dict[str, int] = {}  # backends.base.held_weight_bytes
+        self._held_weight_bytes: dict[str, int] = {}
         for spec, weight in zip(params, self._weights, strict=True):
             size = int(weight.nbytes)
-            self.held_weight_bytes[spec["source"]] = self.held_weight_bytes.get(spec["source"], 0) + size
+            self._held_weight_bytes[spec["source"]] = self._held_weight_bytes.get(spec["source"], 0) + size
         self._weight_args = [self._tvm_tensor(w) for w in self._weights]
         self._cache_arg: tuple[KVCache, Any] | None = None  # the last cache and its TVM view
-        # LoRA: the tables of a step given none (no slots, allocated once), and the TVM views of the
-        # tables the step in progress passes (`_lora_views`: remade only for other arrays than last time)
-        self._no_lora: LoRATables = {}
-        self._lora_views: tuple[list[Any], list[Any]] = ([], [])
-        self._lora_args: list[Any] = []
-        if lora is not None:
-            self._no_lora = lora.allocate(0, 0, device)
-            self._lora_args = self._lora_tables(self._no_lora)
+        # the TVM views of the runtime-owned inputs (LoRA tables) the last step passed, by name with the
+        # array they view: remade only for another array (the runtime writes its tables in place)
+        self._owned_views: dict[str, tuple[Any, Any]] = {}
         self.graphs = None
         self.staging: Any = None  # a GPU's input staging (staging.py)
         if device == "cuda":
@@ -296,6 +271,10 @@ class TVMExecutable:
 
             self.graphs = DecodeGraphs() if cuda_graphs and cuda_graphs_enabled() else None
             self.staging = InputStaging(device)
+
+    @property
+    def held_weight_bytes(self) -> dict[str, int]:
+        return self._held_weight_bytes
 
     def _param(self, spec: dict[str, Any], weights: Mapping[str, Any]) -> Any:
         """The weight as the kernels read it: stored so in the artifact (mapped, used as it is), or laid
@@ -347,38 +326,27 @@ class TVMExecutable:
                 hint="compile it with --quantization int4 or int8, or --backend onnxruntime",
             ) from None
 
-    def with_lora(self, inputs: StepInputs) -> StepInputs:
-        """`inputs` with what a LoRA step takes where they give none (`with_lora_inputs`: slots -1, no
-        tables), their tables made the ones `call` passes from now on; `inputs` for a step without."""
-        if self.lora_spec is None:
-            return inputs
-        inputs = with_lora_inputs(inputs, self.lora_spec, self._no_lora)
-        assert inputs.lora_slots is not None and inputs.lora_tables is not None
-        self._lora_args = self._lora_tables(inputs.lora_tables)
-        slots = int(self._lora_views[0][0].shape[1])  # the tables' LS
-        if inputs.lora_slots.size:
-            low, high = int(inputs.lora_slots.min()), int(inputs.lora_slots.max())
-            if low < -1 or high >= slots:
-                raise BackendError(f"lora_slots from {low} to {high}: the tables hold {slots} (-1: none)")
+    def filled(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with every input the step takes (ir.step.fill_absent), its runtime-owned ones made
+        the ones `call` passes from now on."""
+        inputs = fill_absent(inputs, self.signature, self.device)
+        owned = {name: a for name, a in inputs.optional.items() if self.signature.runtime_owned(name)}
+        if any(self._owned_views.get(name, (None,))[0] is not array for name, array in owned.items()):
+            if self.lora_spec is not None:
+                self._check_lora_tables(inputs.lora_tables)
+            self._owned_views = {name: (array, self._table_view(array)) for name, array in owned.items()}
+        if self.lora_spec is not None:
+            self._check_lora_slots(inputs)
         return inputs
 
-    def _lora_tables(self, tables: Mapping[str, Any]) -> list[Any]:
-        """The TVM views of a step's LoRA tables, in the call order. The runtime writes its tables in
-        place between steps, so a view of the same array sees the new values: views are made again only
-        when `tables` holds other arrays than the last step's (held here, so their ids stay theirs)."""
-        assert self.lora_spec is not None
-        names = [prefix + m.name for m in self.lora_spec.modules for prefix in (LORA_A_PREFIX, LORA_B_PREFIX)]
-        missing = [name for name in names if name not in tables]
-        if missing:
-            raise BackendError(f"the step's LoRA tables lack {', '.join(missing)}")
-        arrays = [tables[name] for name in names]
-        held, views = self._lora_views
-        if len(held) == len(arrays) and all(a is b for a, b in zip(held, arrays, strict=True)):
-            return views
-        self._check_lora_tables(dict(zip(names, arrays, strict=True)))
-        views = [self._table_view(array) for array in arrays]
-        self._lora_views = (arrays, views)
-        return views
+    def _check_lora_slots(self, inputs: StepInputs) -> None:
+        slots = inputs.lora_slots
+        assert slots is not None
+        tables = int(next(iter(inputs.lora_tables.values())).shape[1])  # the tables' LS
+        if slots.size:
+            low, high = int(slots.min()), int(slots.max())
+            if low < -1 or high >= tables:
+                raise BackendError(f"lora_slots from {low} to {high}: the tables hold {tables} (-1: none)")
 
     def _check_lora_tables(self, tables: dict[str, Any]) -> None:
         assert self.lora_spec is not None
@@ -421,7 +389,7 @@ class TVMExecutable:
         )
 
     def step_tensors(self, inputs: StepInputs) -> list[IndexArray]:
-        return step_tensors(inputs, self.visible_ends, self.lora_spec is not None)
+        return step_tensors(inputs, self.signature)
 
     def upload(self, arrays: list[IndexArray]) -> list[torch.Tensor]:
         """`step_tensors`' host arrays on the executable's device, in one copy (staging.py)."""
@@ -434,53 +402,78 @@ class TVMExecutable:
         if self.graphs is not None:
             self.graphs.captured.clear()
 
-    def call(self, tensors: list[Any], kv_cache: KVCache, image_rows: Any = None, embed: bool = False) -> Any:
+    def call(
+        self,
+        tensors: list[Any],
+        kv_cache: KVCache,
+        rows: Mapping[str, Any] | None = None,
+        embed: bool = False,
+    ) -> Any:
         """Run `decode` (one row block) or `step` (or with `embed`, `embed`) on `step_tensors`' arrays
-        (host) or their uploads; `image_rows` for a vision-language model (none given: an empty one)."""
+        (host) or their uploads, binding each input the function takes by name: the index arrays, the
+        KV cache, the runtime-owned inputs the last `filled` step gave, and the float row inputs in
+        `rows` (host arrays on a CPU, uploaded for a GPU; None: a decode step's, which has none)."""
         ffi = self.ffi
-        *inputs, row_counts = tensors
+        *index_arrays, row_counts = tensors
         if self._cache_arg is None or self._cache_arg[0] is not kv_cache:
             self._cache_arg = (kv_cache, self._tvm_tensor(kv_cache))
-        packed = [ffi.from_dlpack(a) for a in inputs[:STEP_INPUTS]]
-        packed.append(self._cache_arg[1])
-        if self._no_image_rows is not None:
-            rows = self._no_image_rows
-            if image_rows is not None:  # on the host for a CPU, uploaded already for a GPU
-                rows = host_aligned(image_rows) if self.device == "cpu" else image_rows
-            packed.append(ffi.from_dlpack(rows))
-        packed += [ffi.from_dlpack(a) for a in inputs[STEP_INPUTS:]]  # visible_ends, lora_slots: where taken
-        packed += self._lora_args  # the step's LoRA tables (the empty ones unless `step` was given some)
+        by_name = dict(zip(self._index_names, index_arrays, strict=True))
+        packed = []
+        for name, tensor_type in self.signature.inputs:
+            if name == KV_CACHE_INPUT:
+                packed.append(self._cache_arg[1])
+            elif name in by_name:
+                packed.append(ffi.from_dlpack(by_name[name]))
+            elif name in self._owned_views:
+                packed.append(self._owned_views[name][1])
+            else:
+                given = (rows or {}).get(name)
+                if given is None:  # a decode step: no rows (ir.step.fill_absent's value for none)
+                    given = self._no_rows(name, tensor_type)
+                packed.append(ffi.from_dlpack(host_aligned(given) if self.device == "cpu" else given))
         packed.append(ffi.from_dlpack(row_counts))
         if embed:
             return self.embed_function(*packed, *self._weight_args[: self.embed_params])
-        one_block = inputs[0].shape[0] == 1 and inputs[6].shape[0] == 1
+        one_block = index_arrays[0].shape[0] == 1 and by_name["logits_indices"].shape[0] == 1
         function = self.decode_function if one_block and self.decode_function is not None else self.function
         return function(*packed, *self._weight_args)
 
-    @property
-    def embeds(self) -> bool:
-        return self.embed_function is not None
+    def _no_rows(self, name: str, tensor_type: Any) -> Any:
+        rows = zeros(tensor_type, {d: 0 for d in tensor_type.shape if isinstance(d, str)})
+        if self.device == "cpu":
+            return rows
+        import torch
+
+        return torch.from_numpy(rows).to(self.device)
+
+    def _rows(self, inputs: StepInputs) -> dict[str, Any]:
+        """The step's float row inputs (image_rows), on the device."""
+        rows = {
+            name: array
+            for name, array in inputs.optional.items()
+            if name not in self._index_names and not self.signature.runtime_owned(name)
+        }
+        if self.device == "cpu":
+            return rows
+        import torch
+
+        return {name: torch.from_numpy(array).to(self.device) for name, array in rows.items()}
 
     def embed(self, inputs: StepInputs, kv_cache: KVCache) -> Hidden:
-        """The final hidden states of the `logits_indices` rows (backends.base.Embedder)."""
+        """The final hidden states of the `logits_indices` rows."""
         if self.embed_function is None:
-            raise BackendError(
-                "this artifact has no `embed` function (compiled before kiln had one, or for tensor "
-                "parallelism)",
-                hint="compile the model again with this version of kiln",
-            )
+            return super().embed(inputs, kv_cache)
         self._check_cache(kv_cache)
         num_rows = inputs.logits_indices.shape[0]
-        inputs = self.with_lora(inputs)
+        inputs = self.filled(inputs)
         if self.device == "cuda":
             import torch
 
-            rows = None if inputs.image_rows is None else torch.from_numpy(inputs.image_rows).to(self.device)
             tensors = self.upload(self.step_tensors(inputs))
-            hidden = torch.from_dlpack(self.call(tensors, kv_cache, rows, embed=True))
+            hidden = torch.from_dlpack(self.call(tensors, kv_cache, self._rows(inputs), embed=True))
             return hidden[:num_rows].to("cpu", torch.float32).numpy()
         tensors = self._host_buffers.tensors(inputs)
-        hidden = np.from_dlpack(self.call(tensors, kv_cache, inputs.image_rows, embed=True))[:num_rows]
+        hidden = np.from_dlpack(self.call(tensors, kv_cache, self._rows(inputs), embed=True))[:num_rows]
         return hidden.astype(np.float32)
 
     def _check_cache(self, kv_cache: KVCache) -> None:
@@ -499,19 +492,20 @@ class TVMExecutable:
     def step(self, inputs: StepInputs, kv_cache: KVCache) -> Logits:
         self._check_cache(kv_cache)
         num_logits = inputs.logits_indices.shape[0]
-        inputs = self.with_lora(inputs)
+        has_rows = inputs.image_rows is not None
+        inputs = self.filled(inputs)
         if self.device == "cuda":
             import torch
 
-            if self.graphs is not None and inputs.image_rows is None:
+            if self.graphs is not None and not has_rows:
                 replayed = self.graphs.run(self, inputs, kv_cache)
                 if replayed is not None:
                     return replayed.to("cpu", torch.float32).numpy()
-            rows = None if inputs.image_rows is None else torch.from_numpy(inputs.image_rows).to(self.device)
-            logits = torch.from_dlpack(self.call(self.upload(self.step_tensors(inputs)), kv_cache, rows))
+            tensors = self.upload(self.step_tensors(inputs))
+            logits = torch.from_dlpack(self.call(tensors, kv_cache, self._rows(inputs)))
             return logits[:num_logits].to("cpu", torch.float32).numpy()
         tensors = self._host_buffers.tensors(inputs)
-        logits = np.from_dlpack(self.call(tensors, kv_cache, inputs.image_rows))[:num_logits]
+        logits = np.from_dlpack(self.call(tensors, kv_cache, self._rows(inputs)))[:num_logits]
         return logits.astype(np.float32, copy=False)
 
 

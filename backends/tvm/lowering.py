@@ -10,13 +10,10 @@ register-blocked kernels need no tail predicate; `tq` and `lq` count blocks of 4
          query_start_loc[B1], logits_indices[lq, 4], kv_cache[layers, 2, NB, BS, kv_heads, head_dim],
          *weights) -> logits[lq * 4, vocab]
 
-A vision-language model's step also takes image_rows[E, hidden] after kv_cache, and a model whose
-images attend both ways visible_ends[tq, 4] after those (wherever its graph has it); a model compiled
-with LoRA adapters then takes lora_slots[tq, 4] (each token row's adapter slot, -1 for none and for
-padding rows) and its tables, lora_a.<module>[layers, LS, LR, in] and lora_b.<module>[layers, LS, out,
-LR] for each adapted module in the order of the graph's inputs (the manifest's `lora` entry, the
-executable's LoRASpec.modules: a, then b, module by module; LS and LR symbolic); then come
-row_counts[2] (the real token and logits rows) and the weights.
+Then come the step signature's optional inputs in its order (ir/step.py StepSignature: the graph's
+inputs; image_rows[E, hidden], visible_ends[tq, 4], lora_slots[tq, 4] and the LoRA tables, a row input
+passed as row blocks as the contract's are), then row_counts[2] (the real token and logits rows) and the
+weights.
 
 On the CPU a second function, `decode`, has the same inputs and params with `tq` = `lq` = 1 (at most 4
 token rows and 4 logits rows: single-stream decode); it shares the generic kernels with `step`, except
@@ -29,13 +26,12 @@ model line it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tvm import relax, tirx
 
 from kiln.backends.base import BackendError
-from kiln.backends.lora_tables import LoRASpec
 from kiln.backends.tvm import (  # noqa: F401  (register the lowerings)
     ops_attention,
     ops_basic,
@@ -55,8 +51,8 @@ from kiln.backends.tvm.lowerer import (
     Schedule,
 )
 from kiln.backends.tvm.lowering_registry import LOWERINGS
-from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, VISIBLE_ENDS_INPUT, Graph, TensorType
-from kiln.ir.step import EMBED, LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT
+from kiln.ir import KV_CACHE_INPUT, STEP_INPUT_TYPES, Graph, TensorType
+from kiln.ir.step import EMBED
 from kiln.passes.embed import embed_graph
 
 DECODE_BLOCKS = 1  # tq and lq of `decode`
@@ -85,24 +81,6 @@ class LoweredStep:
 def _padded(tensor_type: TensorType) -> bool:
     """Whether an input's rows are the executable's padded token (T) or logits (L) rows."""
     return tensor_type.rank >= 1 and tensor_type.shape[0] in ("T", "L")
-
-
-def _in_call_order(graph: Graph) -> Graph:
-    """`graph` with its inputs in the step's calling convention: the step contract's inputs, kv_cache
-    and image_rows first (in the graph's order), then visible_ends, then lora_slots, then the LoRA
-    tables, a and b of each module of its LoRASpec in turn (as the executable passes them)."""
-    spec = LoRASpec.of_graph(graph)
-    modules = [m.name for m in spec.modules] if spec is not None else []
-    tables = [prefix + name for name in modules for prefix in (LORA_A_PREFIX, LORA_B_PREFIX)]
-
-    def place(name: str) -> tuple[int, int]:
-        if name == VISIBLE_ENDS_INPUT:
-            return (1, 0)
-        if name == LORA_SLOTS_INPUT:
-            return (2, 0)
-        return (3, tables.index(name)) if name in tables else (0, 0)
-
-    return replace(graph, inputs=sorted(graph.inputs, key=lambda value: place(value.name)))
 
 
 def _lower_function(lw: Lowerer, name: str, blocks: int | None) -> None:
@@ -164,7 +142,6 @@ def lower_graph(
         raise BackendError(
             problems[0], hint="`--backend reference` runs every op; or add a TVM lowering for this one"
         )
-    graph = _in_call_order(graph)
     lw = Lowerer(graph, target_kind, schedule, int_dot=int_dot_isa, activation_bits=activation_bits)
     _lower_function(lw, "step", None)
     functions = ["step"]

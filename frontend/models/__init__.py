@@ -7,10 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from kiln.errors import ModelLoadError
 from kiln.frontend.config import ModelConfig, check_architecture
 from kiln.frontend.models import gemma3, moe, phi3
-from kiln.frontend.models.llama import LlamaForCausalLM, LlamaWithImageRows
+from kiln.frontend.models.llama import LlamaForCausalLM
 
 _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -22,11 +21,6 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "mixtral": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "olmoe": LlamaForCausalLM,
-}
-# each family's step with image rows (a vision-language model's language model)
-_WITH_IMAGES: dict[type[nn.Module], type[nn.Module]] = {
-    LlamaForCausalLM: LlamaWithImageRows,
-    gemma3.Gemma3ForCausalLM: gemma3.Gemma3WithImages,
 }
 # HF checkpoints whose weights differ from the definition's: Gemma's norms store w for 1 + w, Phi-3
 # fuses q/k/v and gate/up, mixture-of-experts models store each expert apart
@@ -40,16 +34,10 @@ _HF_WEIGHT_ADAPTERS: dict[str, Callable[[ModelConfig, dict[str, Any]], dict[str,
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    """The definition of `config`'s family; its step takes the optional inputs the config asks for
+    (image rows, visible_ends: frontend/capture.py step_input_types)."""
     check_architecture(config.architecture, "model config")
-    family = _FAMILIES[config.family]
-    if config.image_rows:
-        with_images = _WITH_IMAGES.get(family)
-        if with_images is None:
-            raise ModelLoadError(
-                f"{config.architecture}: image rows are supported for the Llama and Gemma 3 families only"
-            )
-        return with_images
-    return family
+    return _FAMILIES[config.family]
 
 
 def adapt_hf_weights(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:

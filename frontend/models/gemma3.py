@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.frontend.config import ModelConfig
-from kiln.frontend.models.llama import Attention, ImageRowsBothWays, LlamaForCausalLM, RMSNorm
+from kiln.frontend.models.llama import Attention, LlamaForCausalLM, RMSNorm
+from kiln.frontend.models.step import StepTensors
 from kiln.frontend.ops import gelu_tanh
 
 
@@ -50,36 +51,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        visible_ends: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(
-            self.input_layernorm(h),
-            positions,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            visible_ends,
-        )
-        h = h + self.post_attention_layernorm(attn)
+    def forward(self, h: torch.Tensor, step: StepTensors) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), step))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = DecoderLayer
     scales_embeddings = True
-
-
-class Gemma3WithImages(ImageRowsBothWays, Gemma3ForCausalLM):
-    """Gemma3ForConditionalGeneration's language model: image rows, each image's tokens attending to
-    one another both ways."""

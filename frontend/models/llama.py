@@ -14,7 +14,10 @@ from torch import nn
 
 from kiln.frontend.config import ModelConfig, RopeScaling
 from kiln.frontend.models.moe import SparseMoeBlock
+from kiln.frontend.models.step import StepTensors
 from kiln.frontend.ops import embedding_with_rows, paged_attention, rms_norm, rope, scale, softcap
+from kiln.ir.step import IMAGE_ROWS_INPUT, VISIBLE_ENDS_INPUT, VISIBLE_ENDS_TYPE
+from kiln.ir.types import TensorType
 
 
 class RMSNorm(nn.Module):
@@ -77,17 +80,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        visible_ends: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepTensors) -> torch.Tensor:
         q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
         k = F.linear(x, self.k_proj.weight, self.k_proj.bias)
         if self.q_norm is not None and self.k_norm is not None and not self.norms_heads:
@@ -99,18 +92,13 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and self.norms_heads:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = rope(q, positions, **self.rope_attrs)
-        k = rope(k, positions, **self.rope_attrs)
+        q = rope(q, step.positions, **self.rope_attrs)
+        k = rope(k, step.positions, **self.rope_attrs)
         out = paged_attention(
             q,
             k,
             v,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            *(() if visible_ends is None else (None, visible_ends)),
+            *step.attention_inputs(),
             layer=self.layer,
             scale=self.scale,
             sliding_window=self.sliding_window,
@@ -141,28 +129,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if config.is_moe(layer) else MLP(config)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        visible_ends: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(
-            self.input_layernorm(h),
-            positions,
-            kv_cache,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            visible_ends,
-        )
-        h = h + attn
+    def forward(self, h: torch.Tensor, step: StepTensors) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -188,102 +156,35 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        h = F.embedding(token_ids, self.model.embed_tokens.weight)
-        return self.decode(
-            h, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices, kv_cache
+    @staticmethod
+    def optional_inputs(config: ModelConfig) -> dict[str, TensorType]:
+        """The optional step inputs (ir/step.py OPTIONAL_INPUTS) this config's step takes, by name."""
+        image_rows = (
+            {IMAGE_ROWS_INPUT: TensorType("f32", ("E", config.hidden_size))} if config.image_rows else {}
         )
+        ends = {VISIBLE_ENDS_INPUT: VISIBLE_ENDS_TYPE} if config.bidirectional_images else {}
+        return {**image_rows, **ends}
 
-    def decode(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
-        visible_ends: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The step from the token embeddings on."""
+    def forward(self, step: StepTensors) -> torch.Tensor:
+        """Logits of the `logits_indices` rows. A vision-language model's step takes image rows: a token id
+        of vocab_size + e stands for row e (an image's embeddings, placed by the runtime; not scaled with
+        the text's embeddings: a family that scales them, as Gemma does, gets rows divided by the scale
+        first)."""
+        rows = step.image_rows
+        if rows is None:
+            h = F.embedding(step.token_ids, self.model.embed_tokens.weight)
+        else:
+            if self.scales_embeddings:
+                rows = scale(rows, factor=self.config.hidden_size**-0.5)
+            h = embedding_with_rows(self.model.embed_tokens.weight, step.token_ids, rows)
         if self.scales_embeddings:
             h = scale(h, factor=self.config.hidden_size**0.5)
         for layer in self.model.layers:
-            h = layer(
-                h, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, visible_ends
-            )
+            h = layer(h, step)
         h = self.model.norm(h)
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(h, head)
-        logits = torch.index_select(logits, 0, logits_indices)
+        logits = torch.index_select(logits, 0, step.logits_indices)
         if self.config.final_logit_softcapping:  # after the rows are taken: fewer values to cap
             logits = softcap(logits, cap=self.config.final_logit_softcapping)
         return logits
-
-
-class LlamaWithImageRows(LlamaForCausalLM):
-    """The step of a vision-language model's text model: one more input, `image_rows` [E, hidden], whose
-    row e a token id of vocab_size + e stands for (an image's embeddings, placed by the runtime)."""
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
-        image_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        h = embedding_with_rows(self.model.embed_tokens.weight, token_ids, image_rows)
-        return self.decode(
-            h, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices, kv_cache
-        )
-
-
-class ImageRowsBothWays(nn.Module):
-    """A family's step with image rows whose images attend within themselves both ways (Gemma 3's): the
-    `image_rows` and `visible_ends` inputs (ir/step.py). The image rows are not scaled with the text's
-    embeddings (a family that scales them, as Gemma does, gets rows divided by the scale first)."""
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
-        image_rows: torch.Tensor,
-        visible_ends: torch.Tensor,
-    ) -> torch.Tensor:
-        assert isinstance(self, LlamaForCausalLM)
-        if self.scales_embeddings:
-            image_rows = scale(image_rows, factor=self.config.hidden_size**-0.5)
-        h = embedding_with_rows(self.model.embed_tokens.weight, token_ids, image_rows)
-        return self.decode(
-            h,
-            positions,
-            slot_mapping,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            logits_indices,
-            kv_cache,
-            visible_ends,
-        )

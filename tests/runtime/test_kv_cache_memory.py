@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.backends.base import KVCacheSpec, kv_cache_device
+from kiln.backends.base import Executable, KVCacheSpec
+from kiln.ir.step import KV_CACHE_INPUT, StepSignature, kv_cache_type
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.config import EngineConfig, available_memory_bytes, plan_kv_cache
 from kiln.runtime.scheduler import SchedulerConfig
@@ -48,14 +49,14 @@ def test_a_gpu_cache_is_sized_from_the_devices_free_memory() -> None:
 
 
 def test_the_cache_goes_where_the_executable_reads_it() -> None:
-    class OnTheGpu:
-        kv_cache_spec = SPEC
+    class OnTheHost(Executable):
+        signature = StepSignature(((KV_CACHE_INPUT, kv_cache_type(2, 2, 8)),))
+
+    class OnTheGpu(OnTheHost):
         kv_cache_device = "cuda"
 
-    class OnTheHost:
-        kv_cache_spec = SPEC
-
-    assert kv_cache_device(OnTheGpu()) == "cuda" and kv_cache_device(OnTheHost()) == "cpu"
+    assert OnTheGpu().kv_cache_device == "cuda" and OnTheHost().kv_cache_device == "cpu"
+    assert OnTheHost().kv_cache_spec == KVCacheSpec(2, 2, 8, "f32")
 
 
 def test_explicit_sizes_win() -> None:

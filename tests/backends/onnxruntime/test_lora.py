@@ -6,21 +6,27 @@ in the batch; the tables are model inputs with dims LS and LR, the manifest says
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kiln.backends.base import CompileSettings
+from kiln.backends.base import CompileSettings, Executable
 from kiln.backends.lora_tables import LoRASpec
 from kiln.backends.onnx import META_FILE, read_lowered
 from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import StepInputs
-from kiln.ir.step import LORA_A_PREFIX, LORA_B_PREFIX, LORA_SLOTS_INPUT, SequenceSlice, build_step_inputs
+from kiln.ir.step import (
+    LORA_A_PREFIX,
+    LORA_B_PREFIX,
+    LORA_SLOTS_INPUT,
+    SequenceSlice,
+    StepSignature,
+    build_step_inputs,
+)
 
 TOLERANCE = 1e-4  # max |ours - reference| / max |reference|
 ALONE_TOLERANCE = 1e-5  # a sequence alone against its rows in the batch
@@ -75,8 +81,14 @@ def _steps(which: list[int], tables: dict[str, np.ndarray] | None) -> list[StepI
         if not slices:
             continue
         inputs = build_step_inputs(slices, BLOCK_SIZE, lora=tables is not None)
-        steps.append(replace(inputs, lora_tables=tables) if tables is not None else inputs)
+        steps.append(inputs.with_optional(tables or {}))
     return steps
+
+
+def _spec(executable: Executable) -> LoRASpec:
+    spec = LoRASpec.of_signature(executable.signature)
+    assert spec is not None
+    return spec
 
 
 def _run(executable, steps: list[StepInputs]) -> tuple[list[np.ndarray], torch.Tensor]:
@@ -92,8 +104,9 @@ def _relative_error(ours: np.ndarray | torch.Tensor, theirs: np.ndarray | torch.
 def test_the_manifest_and_the_model_inputs_carry_the_tables(compiled) -> None:
     folder, ours, _ = compiled
     meta = json.loads((Path(folder) / META_FILE).read_text())
-    assert LoRASpec.from_fields(meta["lora"]) == ours.lora_spec
-    assert {m.name for m in ours.lora_spec.modules} >= {"q_proj", "v_proj", "down_proj"}
+    spec = LoRASpec.of_signature(ours.signature)
+    assert LoRASpec.of_signature(StepSignature.from_fields(meta["signature"])) == spec
+    assert spec is not None and {m.name for m in spec.modules} >= {"q_proj", "v_proj", "down_proj"}
     model, _ = read_lowered(Path(folder))
     inputs = {
         i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
@@ -105,7 +118,7 @@ def test_the_manifest_and_the_model_inputs_carry_the_tables(compiled) -> None:
 
 def test_mixed_slots_match_the_reference(compiled) -> None:
     _, ours, reference = compiled
-    steps = _steps(list(range(len(SEQUENCES))), _tables(ours.lora_spec))
+    steps = _steps(list(range(len(SEQUENCES))), _tables(_spec(ours)))
     (first, second), cache = _run(ours, steps)
     (ref_first, ref_second), ref_cache = _run(reference, steps)
     assert second.shape == ref_second.shape and second.shape[0] == 4
@@ -121,14 +134,14 @@ def test_mixed_slots_match_the_reference(compiled) -> None:
 def test_a_step_without_lora_inputs_runs_on_the_base_model(compiled) -> None:
     _, ours, reference = compiled
     steps = _steps(list(range(len(SEQUENCES))), None)
-    assert steps[0].lora_slots is None and steps[0].lora_tables is None
+    assert steps[0].lora_slots is None and not steps[0].lora_tables
     ours_logits, _ = _run(ours, steps)
     ref_logits, _ = _run(reference, steps)
     for got, expected in zip(ours_logits, ref_logits, strict=True):
         assert _relative_error(got, expected) < TOLERANCE
     # the same as tables given and every row at slot -1
     all_base = [
-        replace(s, lora_slots=np.full_like(s.token_ids, -1), lora_tables=_tables(ours.lora_spec))
+        s.with_optional({LORA_SLOTS_INPUT: np.full_like(s.token_ids, -1), **_tables(_spec(ours))})
         for s in steps
     ]
     for got, expected in zip(_run(ours, all_base)[0], ours_logits, strict=True):
@@ -137,7 +150,7 @@ def test_a_step_without_lora_inputs_runs_on_the_base_model(compiled) -> None:
 
 def test_each_sequence_alone_equals_its_rows_in_the_batch(compiled) -> None:
     _, ours, _ = compiled
-    tables = _tables(ours.lora_spec)
+    tables = _tables(_spec(ours))
     (_, batch_second), _ = _run(ours, _steps(list(range(len(SEQUENCES))), tables))
     for index in range(len(SEQUENCES)):
         (*_, alone_second), _ = _run(ours, _steps([index], tables))

@@ -23,7 +23,7 @@ from kiln.backends.tvm.backend import TVMBackend, elf_machine
 from kiln.backends.tvm.executable import step_tensors
 from kiln.backends.tvm.layouts import apply_layout
 from kiln.compiler.build import PipelineOptions, optimize
-from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, StepSignature, build_step_inputs
 
 BLOCK_SIZE = 16
 A76 = Target.parse("cpu:cortex-a76")
@@ -56,7 +56,7 @@ def test_cortex_a76_step_under_qemu_matches_the_reference(
     spec = KVCacheSpec.of_graph(program.graph)
     reference = ReferenceExecutable(program.graph, program.weights)
     expected = reference.step(inputs, spec.allocate(2, BLOCK_SIZE))
-    *tensors, row_counts = step_tensors(inputs)
+    *tensors, row_counts = step_tensors(inputs, StepSignature.of_graph(program.graph))
     weights = [apply_layout(p["transform"], program.weights[p["source"]]) for p in description["params"]]
     args = [*tensors, spec.allocate(2, BLOCK_SIZE), row_counts, *weights]
     np.savez(tmp_path / "inputs.npz", **{f"arg_{i}": np.asarray(a) for i, a in enumerate(args)})

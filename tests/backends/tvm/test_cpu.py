@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.backends.base import BackendError, CompileSettings, held_weight_bytes
+from kiln.backends.base import BackendError, CompileSettings
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import TVMBackend
 from kiln.backends.tvm.cpu_features import enable_amx, host_flags
 from kiln.ir import KV_CACHE_INPUT
 from kiln.ir.host_arrays import as_torch, ir_dtype_of
-from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.ir.step import SequenceSlice, StepSignature, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
 from kiln.runtime.greedy import greedy_generate
 
@@ -116,7 +116,7 @@ def test_held_weight_bytes_are_what_the_kernels_read(tmp_path: Path, tvm_compile
     program = make_tiny_program("llama", tmp_path / "hf", opt_level=0)
     options = PassOptions(quantization="int4", quantize_lm_head=True)
     quantized, _ = PassManager(pipeline(2, options)).run(program, options)
-    held = held_weight_bytes(tvm_compile(quantized, tmp_path / "tvm"))
+    held = tvm_compile(quantized, tmp_path / "tvm").held_weight_bytes
     assert held is not None
     expected: dict[str, int] = {}
     for param in json.loads((tmp_path / "tvm" / "step.json").read_text())["params"]:
@@ -275,7 +275,8 @@ def test_a_narrower_kv_cache_matches_the_reference(
     narrow, _ = PassManager(pipeline(2, options)).run(program, options)
     tvm = tvm_compile(narrow, tmp_path / "tvm")
     ir_dtype = narrow.graph.input(KV_CACHE_INPUT).type.dtype
-    assert json.loads((tmp_path / "tvm" / "step.json").read_text())["kv_cache"]["dtype"] == ir_dtype
+    recorded = json.loads((tmp_path / "tvm" / "step.json").read_text())["signature"]
+    assert StepSignature.from_fields(recorded).kv_cache.dtype == ir_dtype
     reference = ReferenceExecutable(narrow.graph, narrow.weights)
     ours, theirs = ragged_run([tvm, reference], 5)
     for step in range(2):

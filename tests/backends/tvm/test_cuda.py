@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.backends.base import BackendError, CompileSettings
+from kiln.backends.base import BackendError, CompileSettings, KVCacheSpec
 from kiln.backends.gpu_requirements import TORCH_CUDA, TVM_CUDA, missing_for_gpu
 from kiln.backends.targets import Target, host_gpu_arch
 from kiln.backends.tvm import cuda
 from kiln.ir import Program
+from kiln.ir.step import StepSignature
 from kiln.passes import PassManager, PassOptions, pipeline
 
 
@@ -116,7 +117,9 @@ def test_step_json_and_kernel_origins(tiny_builds) -> None:
     folder, code = tiny_builds["sm_90"]
     description = json.loads((folder / cuda.DESCRIPTION).read_text())
     assert description["device"] == "cuda" and description["gpu_arch"] == "sm_90"
-    assert description["kv_cache"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "f32"}
+    signature = StepSignature.from_fields(description["signature"])
+    assert KVCacheSpec.of_type(signature.kv_cache) == KVCacheSpec(2, 2, 8, "f32")
+    assert signature.entry_points == ("step", "decode", "embed")
     assert description["params"]
     origins = code.kernels
     assert {origins[k] for k in origins if k.startswith(("attention", "kv_write"))} == {"hand-written TIR"}
@@ -303,7 +306,7 @@ def test_a_float8_kv_cache_compiles_for_hopper_and_is_refused_before_ada(
     fp8 = PassManager(pipeline(2, options)).run(program, options)[0]
     cuda.compile_cuda(fp8, Target("cuda", "sm_90"), tmp_path / "sm_90", CompileSettings())
     description = json.loads((tmp_path / "sm_90" / cuda.DESCRIPTION).read_text())
-    assert description["kv_cache"]["dtype"] == "f8e4m3"
+    assert StepSignature.from_fields(description["signature"]).kv_cache.dtype == "f8e4m3"
     lines = cuda.check_cuda_library(tmp_path / "sm_90" / cuda.LIBRARY, Target("cuda", "sm_90"))
     assert lines[0].startswith("step.so carries a cubin for sm_90"), lines
     with pytest.raises(BackendError, match=r"float8 KV cache needs .* cuda:sm_87 has none"):

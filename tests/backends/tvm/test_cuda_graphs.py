@@ -58,7 +58,9 @@ def test_padded_decode_step_gives_the_same_logits(tiny_tvm) -> None:
     )
     bucket = decode_bucket(decode)
     assert bucket == 4
-    padded = pad_decode(decode, bucket, table_width(decode.block_tables.shape[1]) * 2)
+    padded = pad_decode(
+        decode, bucket, table_width(decode.block_tables.shape[1]) * 2, tiny_tvm.signature.row_fills
+    )
     plain_cache, padded_cache = (tiny_tvm.kv_cache_spec.allocate(8, BLOCK_SIZE) for _ in range(2))
     plain_cache[...], padded_cache[...] = cache, cache  # copies where the kernels want them (aligned)
     plain = tiny_tvm.step(decode, plain_cache)

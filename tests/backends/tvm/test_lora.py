@@ -41,7 +41,16 @@ from kiln.compiler.build import PipelineOptions, optimize
 from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops.lora import lora
-from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs
+from kiln.ir.step import (
+    LORA_A_PREFIX,
+    LORA_B_PREFIX,
+    LORA_SLOTS_INPUT,
+    SequenceSlice,
+    StepInputs,
+    StepSignature,
+    build_step_inputs,
+    fill_absent,
+)
 from tests.backends.tvm.replay_stand_in import rerun_capture
 
 BLOCK_SIZE = 4
@@ -220,7 +229,7 @@ def _steps(sequences: list[int], tables: dict[str, np.ndarray] | None) -> list[S
         for i in sequences
     ]
     steps = [build_step_inputs(slices, BLOCK_SIZE, lora=True) for slices in (prefill, second)]
-    return [replace(step, lora_tables=tables) for step in steps]
+    return [step.with_optional(tables or {}) for step in steps]
 
 
 def _rows_of(sequence: int, step: int) -> slice:
@@ -272,7 +281,7 @@ def test_steps_mixing_adapters_match_the_reference_and_each_row_alone(kind: str,
     # the adapters matter: rows with a slot differ from the base model's (the same steps, no LoRA inputs)
     base_cache = ours.kv_cache_spec.allocate(16, BLOCK_SIZE)
     base = [
-        ours.step(replace(step, lora_slots=None, lora_tables=None), base_cache)
+        ours.step(step.without(LORA_SLOTS_INPUT, LORA_A_PREFIX, LORA_B_PREFIX), base_cache)
         for step in _steps(everyone, None)
     ]
     for i in everyone:
@@ -290,16 +299,24 @@ def test_steps_mixing_adapters_match_the_reference_and_each_row_alone(kind: str,
             assert np.array_equal(alone, batched[index][_rows_of(i, index)]), (kind, i, index)
 
 
-def test_padding_rows_and_steps_given_no_slots_get_slot_minus_one() -> None:
+def test_padding_rows_and_steps_given_no_slots_get_slot_minus_one(lora_f32) -> None:
+    _, ours, _ = lora_f32
+    signature = ours.signature
     inputs = _steps([0, 1], None)[0]  # 8 rows: two blocks, no padding
-    one = replace(inputs, token_ids=inputs.token_ids[:5], lora_slots=inputs.lora_slots[:5])
-    *_, slots, counts = step_tensors(one, lora=True)
+    one = replace(inputs, token_ids=inputs.token_ids[:5]).with_optional(
+        {LORA_SLOTS_INPUT: inputs.lora_slots[:5]}
+    )
+    *_, slots, counts = step_tensors(fill_absent(one, signature), signature)
     assert slots.tolist() == [[0, 0, 0, 0], [0, -1, -1, -1]] and counts.tolist() == [5, 8]
-    *_, slots, _ = step_tensors(replace(one, lora_slots=None), lora=True)
+    *_, slots, _ = step_tensors(fill_absent(one.without(LORA_SLOTS_INPUT), signature), signature)
     assert (slots == -1).all() and slots.shape == (2, 4)
-    with pytest.raises(BackendError, match="lora_slots"):
-        step_tensors(replace(one, lora_slots=inputs.lora_slots), lora=True)
-    assert len(step_tensors(one)) == len(step_tensors(one, lora=True)) - 1
+    with pytest.raises(ValueError, match="lora_slots has 8 rows, not one for each of the 5 tokens"):
+        fill_absent(one.with_optional({LORA_SLOTS_INPUT: inputs.lora_slots}), signature)
+    without_lora = StepSignature(tuple(i for i in signature.inputs if not i[0].startswith("lora")))
+    assert (
+        len(step_tensors(one.without("lora"), without_lora))
+        == len(step_tensors(fill_absent(one, signature), signature)) - 1
+    )
 
 
 def test_tables_written_in_place_are_read_by_the_next_step(lora_f32) -> None:
@@ -310,7 +327,7 @@ def test_tables_written_in_place_are_read_by_the_next_step(lora_f32) -> None:
     tables = ours.lora_spec.allocate(SLOTS, RANK)
     everyone = list(range(len(PROMPTS)))
     base = ours.step(
-        replace(_steps(everyone, None)[0], lora_slots=None), ours.kv_cache_spec.allocate(16, BLOCK_SIZE)
+        _steps(everyone, None)[0].without(LORA_SLOTS_INPUT), ours.kv_cache_spec.allocate(16, BLOCK_SIZE)
     )
     zero = ours.step(_steps(everyone, tables)[0], ours.kv_cache_spec.allocate(16, BLOCK_SIZE))
     assert np.array_equal(zero, base)
@@ -324,23 +341,22 @@ def test_tables_written_in_place_are_read_by_the_next_step(lora_f32) -> None:
 
 def test_the_manifest_records_the_tables_and_bad_ones_are_refused(lora_f32) -> None:
     program, ours, folder = lora_f32
-    spec = LoRASpec.of_graph(program.graph)
+    spec = LoRASpec.of_signature(StepSignature.of_graph(program.graph))
     assert spec is not None and ours.lora_spec == spec
-    assert json.loads((folder / DESCRIPTION).read_text())["lora"] == spec.fields()
+    recorded = StepSignature.from_fields(json.loads((folder / DESCRIPTION).read_text())["signature"])
+    assert LoRASpec.of_signature(recorded) == spec
     step = _steps([0, 1], None)[0]
     cache = ours.kv_cache_spec.allocate(16, BLOCK_SIZE)
     good = _tables(spec, seed=3)
-    with pytest.raises(BackendError, match=r"lack lora_b\.down_proj"):
-        ours.step(
-            replace(step, lora_tables={k: v for k, v in good.items() if k != "lora_b.down_proj"}), cache
-        )
+    with pytest.raises(ValueError, match=r"lack lora_b\.down_proj"):
+        ours.step(step.with_optional({k: v for k, v in good.items() if k != "lora_b.down_proj"}), cache)
     wrong = {**good, "lora_b.down_proj": np.zeros((2, SLOTS, RANK, 33), np.float32)}
     wants = r"lora_b\.down_proj is f32 \[2, 3, 4, 33\], the step wants f32 \[2, 3, 4, 32\]"
     with pytest.raises(BackendError, match=wants):
-        ours.step(replace(step, lora_tables=wrong), cache)
+        ours.step(step.with_optional(wrong), cache)
     with pytest.raises(BackendError, match="lora_slots from 2 to 3: the tables hold 3"):
-        ours.step(replace(step, lora_slots=step.lora_slots + 2, lora_tables=good), cache)
-    with pytest.raises(BackendError, match="the tables hold 0"):  # slots, but no tables: empty ones
+        ours.step(step.with_optional({**good, LORA_SLOTS_INPUT: step.lora_slots + 2}), cache)
+    with pytest.raises(BackendError, match="the tables hold 1"):  # slots, but no tables: one zero slot
         ours.step(step, cache)
 
 
@@ -360,10 +376,11 @@ def test_a_replayed_decode_reads_the_tables_written_between_replays(lora_f32) ->
             SequenceSlice([50 + i + step], len(PROMPTS[i]) + step, BLOCKS[i], lora_slot=ADAPTERS[i])
             for i in [0, 1, 3]
         ]
-        return replace(build_step_inputs(slices, BLOCK_SIZE, lora=True), lora_tables=given)
+        return build_step_inputs(slices, BLOCK_SIZE, lora=True).with_optional(given)
 
     first = decode(0, tables)
-    padded = pad_decode(first, decode_bucket(first), table_width(first.block_tables.shape[1]))
+    width = table_width(first.block_tables.shape[1])
+    padded = pad_decode(first, decode_bucket(first), width, ours.signature.row_fills)
     assert padded.lora_slots.tolist() == [0, 1, 2, -1]
     graphs = DecodeGraphs(rerun_capture)
     ours.staging = InputStaging("cpu")  # a GPU executable's upload, here into host memory
@@ -373,11 +390,11 @@ def test_a_replayed_decode_reads_the_tables_written_between_replays(lora_f32) ->
             for name, table in others.items():
                 tables[name][:, 1] = table[:, 1]
         expected = ours.step(decode(step, given), plain_cache)
-        replayed = graphs.run(ours, ours.with_lora(decode(step, given)), cache)
+        replayed = graphs.run(ours, ours.filled(decode(step, given)), cache)
         assert replayed is not None and torch.equal(replayed, torch.from_numpy(expected)), step
     assert torch.equal(cache, plain_cache)
     assert graphs.captured_buckets() == {4: 2}
-    assert sorted(id(entry.lora_tables["lora_a.q_proj"]) for entry in graphs.captured.values()) == sorted(
+    assert sorted(id(entry.owned["lora_a.q_proj"]) for entry in graphs.captured.values()) == sorted(
         id(t["lora_a.q_proj"]) for t in (tables, others)
     )
 
@@ -411,7 +428,7 @@ def test_the_lora_step_cross_compiles_for_hopper(lora_f32, tmp_path: Path) -> No
     assert lines[0].startswith("step.so carries a cubin for sm_90")
     kernels = {name: origin for name, origin in code.kernels.items() if name.startswith("lora_")}
     assert len(kernels) == 4 and set(kernels.values()) == {"hand-written TIR"}  # q|k|v, o, gate|up, down
-    assert (
-        json.loads((tmp_path / cuda.DESCRIPTION).read_text())["lora"]
-        == LoRASpec.of_graph(program.graph).fields()
+    recorded = json.loads((tmp_path / cuda.DESCRIPTION).read_text())["signature"]
+    assert StepSignature.from_fields(recorded) == StepSignature.of_graph(
+        program.graph, recorded["entry_points"], recorded["embedding_size"]
     )

@@ -16,7 +16,7 @@ from kiln.backends.reference import ReferenceExecutable
 from kiln.compiler import ModelOptions, compile_model, resolve
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
-from kiln.runtime.artifact import ArtifactError, close_executable, load_artifact
+from kiln.runtime.artifact import ArtifactError, load_artifact
 
 TOLERANCE = 1e-4
 HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
@@ -52,7 +52,7 @@ def test_a_tensor_parallel_tvm_artifact_gives_the_whole_models_logits(
         assert artifact.executable.world == world  # type: ignore[attr-defined]
         ours = ragged_run([artifact.executable], 9)[0]
     finally:
-        close_executable(artifact.executable)
+        artifact.executable.close()
     for step in range(2):
         error = float((ours[step] - whole[step]).abs().max() / whole[step].abs().max())
         assert error < TOLERANCE, (world, step, error)

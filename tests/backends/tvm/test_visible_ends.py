@@ -7,14 +7,13 @@ decode step padded to a CUDA-graph bucket and replayed (a stand-in for the graph
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kiln.backends.kv_manifest import takes_visible_ends
+from kiln.backends.base import BackendError
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.backends.tvm.backend import DESCRIPTION, TVMBackend
@@ -22,7 +21,7 @@ from kiln.backends.tvm.cuda_graphs import DecodeGraphs, decode_bucket, pad_decod
 from kiln.backends.tvm.staging import InputStaging
 from kiln.ir import Program
 from kiln.ir.host_arrays import as_torch
-from kiln.ir.step import SequenceSlice, StepInputs, build_step_inputs
+from kiln.ir.step import VISIBLE_ENDS_INPUT, SequenceSlice, StepInputs, StepSignature, build_step_inputs
 from tests.backends.tvm.replay_stand_in import rerun_capture
 
 BLOCK_SIZE = 4
@@ -47,7 +46,7 @@ def _prefill() -> StepInputs:
     causal = build_step_inputs(slices, BLOCK_SIZE)
     ends = causal.positions + 1
     ends[IMAGE] = ends[IMAGE][-1]
-    return replace(causal, visible_ends=ends)
+    return causal.with_optional({VISIBLE_ENDS_INPUT: ends})
 
 
 def _decode(step: int, ends: bool) -> StepInputs:
@@ -58,7 +57,7 @@ def _decode(step: int, ends: bool) -> StepInputs:
         ],
         BLOCK_SIZE,
     )
-    return replace(decode, visible_ends=decode.positions + 1 if ends else None)
+    return decode.with_optional({VISIBLE_ENDS_INPUT: decode.positions + 1 if ends else None})
 
 
 def test_steps_with_and_without_visible_ends_match_the_reference(visible_ends_program, compiled) -> None:
@@ -68,7 +67,7 @@ def test_steps_with_and_without_visible_ends_match_the_reference(visible_ends_pr
     prefill = _prefill()
     logits = tvm.step(prefill, ours)
     assert _relative_error(logits, reference.step(prefill, theirs)) < TOLERANCE
-    causal = tvm.step(replace(prefill, visible_ends=None), tvm.kv_cache_spec.allocate(8, BLOCK_SIZE))
+    causal = tvm.step(prefill.without(VISIBLE_ENDS_INPUT), tvm.kv_cache_spec.allocate(8, BLOCK_SIZE))
     assert not np.allclose(logits[IMAGE], causal[IMAGE]), "the image's rows saw its later tokens"
     # the rows that see no image row, in either layer: the causal step's bits
     text = np.r_[: IMAGE.start, len(PROMPTS[0]) : len(logits)]
@@ -79,19 +78,22 @@ def test_steps_with_and_without_visible_ends_match_the_reference(visible_ends_pr
     assert _relative_error(ours, theirs) < TOLERANCE  # the K/V the layers wrote
 
 
-def test_the_artifact_records_visible_ends_and_one_without_the_record_loads(
+def test_the_artifact_records_visible_ends_and_one_without_the_record_is_refused(
     compiled, tiny_llama_program, tmp_path: Path, tvm_compile
 ) -> None:
     folder, _ = compiled
-    assert json.loads((folder / DESCRIPTION).read_text())["visible_ends"] is True
-    assert not takes_visible_ends(tiny_llama_program.graph)
+    recorded = StepSignature.from_fields(json.loads((folder / DESCRIPTION).read_text())["signature"])
+    assert recorded.takes(VISIBLE_ENDS_INPUT)
     tvm_compile(tiny_llama_program, tmp_path)
     description = json.loads((tmp_path / DESCRIPTION).read_text())
-    assert description.pop("visible_ends") is False
-    (tmp_path / DESCRIPTION).write_text(json.dumps(description))  # as written before the field
+    assert not StepSignature.from_fields(description["signature"]).takes(VISIBLE_ENDS_INPUT)
     text_model = TVMBackend().load(tmp_path, tiny_llama_program.weights, Target("cpu"))
+    del description["signature"]
+    (tmp_path / DESCRIPTION).write_text(json.dumps(description))  # as written before the record
+    with pytest.raises(BackendError, match="did not record the step's signature"):
+        TVMBackend().load(tmp_path, tiny_llama_program.weights, Target("cpu"))
     reference = ReferenceExecutable(tiny_llama_program.graph, tiny_llama_program.weights)
-    prefill = replace(_prefill(), visible_ends=None)
+    prefill = _prefill().without(VISIBLE_ENDS_INPUT)
     ours, theirs = (e.step(prefill, e.kv_cache_spec.allocate(8, BLOCK_SIZE)) for e in (text_model, reference))
     assert _relative_error(ours, theirs) < TOLERANCE
 
@@ -101,11 +103,11 @@ def test_padded_and_replayed_decode_steps_pass_visible_ends(compiled) -> None:
     captured with visible_ends is refilled with each step's (given, or each position + 1)."""
     _, tvm = compiled
     cache = as_torch(tvm.kv_cache_spec.allocate(8, BLOCK_SIZE))
-    tvm.step(replace(_prefill(), visible_ends=None), cache)
+    tvm.step(_prefill().without(VISIBLE_ENDS_INPUT), cache)
     decode = _decode(0, ends=True)
     bucket = decode_bucket(decode)
     assert bucket == 4
-    padded = pad_decode(decode, bucket, table_width(decode.block_tables.shape[1]))
+    padded = pad_decode(decode, bucket, table_width(decode.block_tables.shape[1]), tvm.signature.row_fills)
     assert padded.visible_ends is not None and padded.visible_ends.tolist() == [*decode.visible_ends, 1, 1]
     plain_cache = cache.clone()
     graphs = DecodeGraphs(rerun_capture)
@@ -113,7 +115,7 @@ def test_padded_and_replayed_decode_steps_pass_visible_ends(compiled) -> None:
     for step in range(3):
         decode = _decode(step, ends=step != 1)
         expected = tvm.step(decode, plain_cache)
-        replayed = graphs.run(tvm, decode, cache)
+        replayed = graphs.run(tvm, tvm.filled(decode), cache)
         assert replayed is not None and torch.equal(replayed, torch.from_numpy(expected)), step
     assert torch.equal(cache, plain_cache)
     assert graphs.captured_buckets() == {4: 1}

@@ -312,18 +312,14 @@ def cpu_step_library(module: tvm.IRModule, folder: Any) -> Any:
 
 def cpu_executable_of_gpu_step(program: Any, folder: Any) -> Any:
     """A TVMExecutable (the CPU runtime path) running `program`'s CUDA kernels, serialized, on the CPU."""
-    from kiln.backends.base import KVCacheSpec
-    from kiln.backends.kv_manifest import takes_visible_ends
-    from kiln.backends.lora_tables import LoRASpec
     from kiln.backends.tvm.executable import TVMExecutable
+    from kiln.ir.step import StepSignature
 
     lowered, module = gpu_step_module(program.graph)
     folder.mkdir(parents=True, exist_ok=True)
     library = cpu_step_library(module, folder)
     params = [spec.to_dict() for spec in lowered.params]
-    spec = KVCacheSpec.of_graph(program.graph)
-    visible_ends = takes_visible_ends(program.graph)
-    lora = LoRASpec.of_graph(program.graph)
+    signature = StepSignature.of_graph(program.graph, lowered.functions, lowered.embed_width)
     return TVMExecutable(
-        library, params, program.weights, spec, "cpu", lowered.functions, visible_ends=visible_ends, lora=lora
+        library, params, program.weights, signature, "cpu", embed_params=lowered.embed_params
     )

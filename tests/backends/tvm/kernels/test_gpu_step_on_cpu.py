@@ -10,7 +10,6 @@ with their real thread bindings and shared-memory tiles, quantized or not; a ste
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 from gpu_on_cpu import count_thread_loops, cpu_executable_of_gpu_step, gpu_kernels, gpu_step_module
 
 from kiln.backends.reference import ReferenceExecutable
-from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.ir.step import VISIBLE_ENDS_INPUT, SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
 
 BLOCK_SIZE = 16
@@ -74,7 +73,7 @@ def test_the_cuda_step_with_visible_ends_run_on_the_cpu_matches_the_reference(vi
     prefill = build_step_inputs(slices, BLOCK_SIZE)
     ends = prefill.positions + 1
     ends[2:7] = 7  # the first prompt's rows 2 .. 6: an image
-    prefill = replace(prefill, visible_ends=ends)
+    prefill = prefill.with_optional({VISIBLE_ENDS_INPUT: ends})
     mine, theirs = (e.kv_cache_spec.allocate(4, BLOCK_SIZE) for e in (ours, reference))
     decode = build_step_inputs(
         [SequenceSlice([20], len(prompts[0]), tables[0]), SequenceSlice([21], len(prompts[1]), tables[1])],
