@@ -123,7 +123,7 @@ def test_step_json_and_kernel_origins(tiny_builds) -> None:
     assert description["params"]
     origins = code.kernels
     assert {origins[k] for k in origins if k.startswith(("attention", "kv_write"))} == {"hand-written TIR"}
-    assert description["functions"] == ["step", "decode", "embed"] and description["embed_params"] > 0
+    assert description["embed_params"] > 0
     linears = {k: origins[k] for k in origins if k.startswith("linear")}
     decode = {v for k, v in linears.items() if k.startswith("linear_decode")}
     step = {v for k, v in linears.items() if not k.startswith("linear_decode")}
