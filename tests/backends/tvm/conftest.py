@@ -58,14 +58,6 @@ def smollm2_tvm(smollm2_o2, tmp_path_factory: pytest.TempPathFactory) -> Executa
     return compile_tvm_cpu(smollm2_o2.program, tmp_path_factory.mktemp("smollm2-tvm"))
 
 
-@pytest.fixture(scope="session")
-def smollm2_q4_1(smollm2_gguf_path: Path):
-    """SmolLM2 with its GGUF Q4_1 (and Q8_0 LM head) blocks imported, O2, on the reference backend."""
-    from kiln.compiler.build import PipelineOptions, build_reference
-
-    return build_reference(str(smollm2_gguf_path), PipelineOptions(opt_level=2, quantization="gguf"))
-
-
 EMULATED_RUN = Path(__file__).with_name("emulated_run.py")
 
 
