@@ -147,6 +147,12 @@ def save_smolvlm(folder: Path, shape: str = "tiny") -> Any:
         for name, parameter in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 parameter.normal_(0, 0.5)
+            if shape != "tiny":
+                continue
+            if name.endswith("patch_embedding.weight"):  # the pixels outweigh the random bias: each
+                parameter.normal_(0, 0.3)  # image leads the tiny model to tokens of its own
+            if name == "lm_head.weight":  # logits far apart: greedy tokens no near-tie that rounding flips
+                parameter.normal_(0, 1.0)
     model.save_pretrained(folder)
     transformers.Idefics3ImageProcessorPil(
         size={"longest_edge": sizes["longest_edge"]},
@@ -215,7 +221,7 @@ def save_gemma3(folder: Path, shape: str = "tiny") -> Any:
         image_token_index=vocab["<image_soft_token>"],
         eos_token_id=vocab["<end_of_turn>"],
     )
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # seed 0's images part only where its repeated tokens end
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -225,6 +231,10 @@ def save_gemma3(folder: Path, shape: str = "tiny") -> Any:
                 parameter.copy_(parameter.half().float())
             if "embed_tokens" in name:  # logits far apart: greedy tokens no near-tie that rounding flips
                 parameter.normal_(0, 0.06)
+            if name.endswith("patch_embedding.weight"):  # the pixels outweigh the random bias
+                parameter.normal_(0, 0.3)
+            if "language_model" in name and name.endswith(("v_proj.weight", "o_proj.weight")):
+                parameter.normal_(0, 0.3)  # what attention reads (the image) outweighs the token's embedding
     model.save_pretrained(folder)
     weights = load_file(folder / "model.safetensors")  # as transformers 4 named them, as the converter reads
     older = {name.replace("vision_tower.", "vision_tower.vision_model.", 1): t for name, t in weights.items()}
@@ -236,6 +246,18 @@ def save_gemma3(folder: Path, shape: str = "tiny") -> Any:
 
 
 FAMILIES = {"smolvlm": save_smolvlm, "gemma3": save_gemma3}
+
+
+def image(size: tuple[int, int], seed: int) -> Any:
+    """A PIL image of `size` (width, height) in one colour drawn from `seed`: any resize keeps it, so
+    llama.cpp's (without antialiasing) and Pillow's give the same pixels, and each colour leads the tiny
+    models to tokens of its own (bench/vision_peers.py's images, and tests/frontend/test_vision_gguf.py's)."""
+    import numpy as np
+    from PIL import Image
+
+    width, height = size
+    colour = np.random.default_rng(seed).integers(0, 256, 3, dtype=np.uint8)
+    return Image.fromarray(np.broadcast_to(colour, (height, width, 3)).copy())
 
 
 def convert(source: Path, hf: Path, out: Path, outtype: str = "f32") -> tuple[Path, Path]:

@@ -2,7 +2,9 @@
 converter into a text GGUF and an `--mmproj` image-encoder GGUF, as llama-server users have them: Kiln
 serves the pair and its greedy tokens for three images equal llama-server's (recorded by
 bench/vision_peers.py --record in tests/fixtures/<family>_tiny_llama_cpp.json, with the sha256 of the
-files it ran on) on the default path (TVM for this CPU; every backend's image path: test_vision.py)."""
+files it ran on), and each image's tokens differ from the others', on the default path (TVM for this
+CPU: the whole-model check of these two families; their encoders on ONNX Runtime:
+test_idefics3_vision.py, test_gemma3_vision.py)."""
 
 from __future__ import annotations
 
@@ -63,27 +65,71 @@ def converted(
     return convert
 
 
-@pytest.fixture(scope="module", params=["smolvlm", "gemma3"])
-def served(request: pytest.FixtureRequest, converted: Callable[[str], Any]) -> Iterator[tuple[str, Any]]:
-    """(family, its GGUF pair served on the default path)."""
+@pytest.fixture(scope="module")
+def served(converted: Callable[[str], Any]) -> Iterator[Callable[[str], Any]]:
+    """A function: a family's GGUF pair served on the default path (TVM for this CPU), compiled once."""
     from kiln.llm import LLM
 
-    _, text, mmproj = converted(request.param)
-    model = LLM(str(text), mmproj=str(mmproj), backend="tvm", show_progress=False)
-    yield request.param, model
-    model.close()
+    models: dict[str, Any] = {}
+
+    def serve(family: str) -> Any:
+        if family not in models:
+            _, text, mmproj = converted(family)
+            models[family] = LLM(str(text), mmproj=str(mmproj), backend="tvm", show_progress=False)
+        return models[family]
+
+    yield serve
+    for model in models.values():
+        model.close()
 
 
-def test_greedy_tokens_equal_llama_servers(served: tuple[str, Any]) -> None:
-    family, llm = served
+def recorded_image(recorded: dict[str, Any], index: int) -> Image.Image:
+    """The fixture's image `index`: one colour drawn from its seed (scripts/make_vlm.py `image`)."""
+    shown = recorded["images"][index]
+    return make_vlm().image(tuple(shown["size"]), shown["seed"])
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "gemma3"])
+def test_greedy_tokens_equal_llama_servers(family: str, served: Callable[[str], Any]) -> None:
     recorded = json.loads(fixture_of(family).read_text())
+    tokens = [tuple(t) for t in recorded["tokens"]]
+    assert len(tokens) >= 3 and len(set(tokens)) == len(tokens), (
+        f"{fixture_of(family).name}: two images have the same tokens, so this test cannot tell the images "
+        "apart: record it again on images whose tokens differ (bench/vision_peers.py --seeds)"
+    )
+    llm = served(family)
     params = SamplingParams(max_tokens=len(recorded["tokens"][0]), temperature=0, ignore_eos=True)
-    for shown, expected in zip(recorded["images"], recorded["tokens"], strict=True):
-        width, height = shown["size"]
-        pixels = np.random.default_rng(shown["seed"]).integers(0, 255, (height, width, 3), dtype=np.uint8)
-        content = [{"type": "image_pil", "image_pil": Image.fromarray(pixels)}]
+    for index, expected in enumerate(recorded["tokens"]):
+        content = [{"type": "image_pil", "image_pil": recorded_image(recorded, index)}]
         messages = [{"role": "user", "content": [*content, {"type": "text", "text": recorded["prompt"]}]}]
-        assert llm.chat(messages, params).outputs[0].token_ids == expected
+        assert llm.chat(messages, params).outputs[0].token_ids == expected, recorded["images"][index]
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "gemma3"])
+def test_the_compiled_encoder_matches_the_interpreter(
+    family: str, served: Callable[[str], Any], converted: Callable[[str], tuple[Path, Path, Path]]
+) -> None:
+    """The served artifact's image encoder (TVM for this CPU, compiled beside the step) gives the
+    interpreter's rows for the encoder captured from the mmproj, on random pixels."""
+    import importlib
+
+    import torch
+
+    from kiln.frontend.load import load_model
+    from kiln.frontend.vision import encoder_program
+    from kiln.ir.interpreter import interpret
+
+    module = {"smolvlm": "idefics3_vision", "gemma3": "gemma3_vision"}[family]
+    encoder_inputs = importlib.import_module(f"kiln.frontend.models.{module}").encoder_inputs
+    _, text, mmproj = converted(family)
+    vision = load_model(str(text), mmproj).vision
+    assert vision is not None
+    program = encoder_program(vision)
+    pixels = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(2)).numpy()
+    inputs = encoder_inputs(pixels, vision.spec.patch_size)
+    (expected,) = interpret(program.graph, program.weights, inputs)
+    got = served(family).artifact.vision.encoder.encode(inputs)
+    assert np.allclose(got, expected.numpy(), atol=1e-4, rtol=0), float(np.abs(got - expected.numpy()).max())
 
 
 def test_mmproj_goes_with_a_gguf_model(converted: Callable[[str], tuple[Path, Path, Path]]) -> None:
@@ -95,34 +141,22 @@ def test_mmproj_goes_with_a_gguf_model(converted: Callable[[str], tuple[Path, Pa
 
 
 def test_kiln_generate_with_an_image(
-    converted: Callable[[str], tuple[Path, Path, Path]], tmp_path: Path
+    converted: Callable[[str], tuple[Path, Path, Path]], served: Callable[[str], Any], tmp_path: Path
 ) -> None:
-    """`kiln generate TEXT --mmproj MMPROJ --chat --image FILE` prints the greedy reply `LLM.chat` gives."""
+    """`kiln generate TEXT --mmproj MMPROJ --chat --image FILE` prints the greedy reply `LLM.chat` gives
+    (on the artifact the tests above compiled: the compile cache's entry, loaded again by the CLI)."""
     import subprocess
     import sys
 
-    from kiln.llm import LLM
-
     _, text, mmproj = converted("smolvlm")
     recorded = json.loads(fixture_of("smolvlm").read_text())
-    width, height = recorded["images"][0]["size"]
-    pixels = np.random.default_rng(recorded["images"][0]["seed"]).integers(
-        0, 255, (height, width, 3), dtype=np.uint8
-    )
-    Image.fromarray(pixels).save(tmp_path / "image.png")
+    recorded_image(recorded, 0).save(tmp_path / "image.png")
+    llm = served("smolvlm")
     command = [sys.executable, "-m", "kiln.cli", "generate", str(text), "--mmproj", str(mmproj), "--chat"]
-    command += [
-        "--prompt",
-        recorded["prompt"],
-        "--image",
-        str(tmp_path / "image.png"),
-        "--backend",
-        "reference",
-    ]
+    command += ["--prompt", recorded["prompt"], "--image", str(tmp_path / "image.png"), "--backend", "tvm"]
     command += ["--max-tokens", "16", "--temperature", "0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    llm = LLM(str(text), mmproj=str(mmproj), backend="reference", show_progress=False)
     content = [{"type": "image_pil", "image_pil": Image.open(tmp_path / "image.png")}]
     messages = [{"role": "user", "content": [*content, {"type": "text", "text": recorded["prompt"]}]}]
     reply = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0)).outputs[0].text
