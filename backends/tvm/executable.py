@@ -144,8 +144,9 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[
 
 
 def host_aligned(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """`array` contiguous at a 64-byte aligned address, copied if it is not."""
-    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+    """`array` contiguous at a 64-byte aligned address, copied if it is not. An empty array is always
+    copied: numpy may give it zero strides, which TVM's compact-array check refuses."""
+    if array.size and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
         return array
     copy = _aligned_empty(array.shape, array.dtype)
     copy[...] = array
