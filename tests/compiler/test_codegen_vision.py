@@ -21,10 +21,10 @@ from kiln.compiler import ModelOptions, resolve
 from kiln.compiler.codegen import compile_model
 from kiln.frontend.models.clip_vision import encoder_inputs
 from kiln.ir.interpreter import interpret
-from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.ir.vision import clip_encoder_inputs
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.vision import ROW_BLOCK
+from tests.frontend.llava_steps import check_image_rows_in_the_step
 
 pytest.importorskip("transformers")
 
@@ -66,35 +66,5 @@ def test_the_encoder_is_compiled_beside_the_step_for_each_target(
         assert np.allclose(got, expected.numpy(), atol=1e-4, rtol=0), float(
             np.abs(got - expected.numpy()).max()
         )
-    _check_image_rows_in_the_step(artifact.executable, reference, config, program)
-
-
-def _check_image_rows_in_the_step(executable, reference, vision, encoder) -> None:
-    """The step with image rows (ir/step.py IMAGE_ROWS_INPUT) fed by the captured encoder: LLaVA's
-    logits for a prompt with an image, the image's tokens cut across two chunked-prefill steps, then a
-    step without an image (as tests/frontend/test_llava.py checks on the reference backend and ONNX
-    Runtime)."""
-    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(7))
-    (rows,) = interpret(encoder.graph, encoder.weights, encoder_inputs(pixels[0].numpy(), vision.patch_size))
-    image = rows[1 : vision.num_rows].numpy()  # the default strategy drops the class token's row
-    vocab_size = 300
-    tokens = [5, 6, 7, *[299] * vision.num_image_tokens, 8, 9]
-    image_at = list(range(3, 3 + vision.num_image_tokens))
-    cut = 10  # the first step ends inside the image
-    cache = executable.kv_cache_spec.allocate(3, 16)  # 64-byte aligned, as TVM's kernels want
-    logits = []
-    for start, end in ((0, cut), (cut, len(tokens))):
-        at = [p - start for p in image_at if start <= p < end]
-        taken = [i for i, p in enumerate(image_at) if start <= p < end]
-        piece = SequenceSlice(tokens[start:end], start, [1, 2], range(end - start), at, image[taken])
-        inputs = build_step_inputs([piece], 16, vocab_size=vocab_size)
-        logits.append(torch.from_numpy(executable.step(inputs, cache)))
-    with torch.no_grad():
-        expected = reference(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
-    got = torch.cat(logits)
-    assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
-    after = build_step_inputs([SequenceSlice([10], len(tokens), [1, 2])], 16, vocab_size=vocab_size)
-    with torch.no_grad():
-        expected_next = reference(input_ids=torch.tensor([[*tokens, 10]]), pixel_values=pixels).logits[0, -1]
-    next_logits = torch.from_numpy(executable.step(after, cache))[0]  # no image rows in this step
-    assert torch.allclose(next_logits, expected_next, atol=1e-4, rtol=0)
+    # the step with image rows, as tests/frontend/test_llava.py checks on the reference and ONNX Runtime
+    check_image_rows_in_the_step(artifact.executable, reference, config, program, vocab_size=300)

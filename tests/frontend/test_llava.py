@@ -13,6 +13,7 @@ from kiln.backends.reference.executable import ReferenceExecutable
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.load import load_model
 from kiln.ir.step import SequenceSlice, build_step_inputs
+from tests.frontend.llava_steps import check_image_rows_in_the_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,14 +52,8 @@ def test_image_rows_in_the_step_give_transformers_logits(
     encoder and a CUDA target) in tests/compiler/test_codegen_vision.py."""
     import dataclasses
 
-    from kiln.frontend.models.clip_vision import encoder_inputs
-    from kiln.ir.interpreter import interpret
-
     reference = tiny_llava(tmp_path, with_tokenizer=True)
     vision, encoder = llava_encoder(tmp_path)
-    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(7))
-    (rows,) = interpret(encoder.graph, encoder.weights, encoder_inputs(pixels[0].numpy(), vision.patch_size))
-    image = rows[1 : vision.num_rows].numpy()  # the default strategy drops the class token's row
 
     source = load_model(str(tmp_path))
     config = dataclasses.replace(source.config, image_rows=True)
@@ -74,23 +69,4 @@ def test_image_rows_in_the_step_give_transformers_logits(
         compiler = OnnxRuntimeBackend()
         compiler.compile(program, Target("cpu"), tmp_path / backend, CompileSettings(num_threads=2))
         executable = compiler.load(tmp_path / backend, program.weights, Target("cpu"))
-    tokens = [5, 6, 7, *[299] * vision.num_image_tokens, 8, 9]
-    image_at = list(range(3, 3 + vision.num_image_tokens))
-    cut = 10  # the first step ends inside the image
-    cache = executable.kv_cache_spec.allocate(3, 16)  # 64-byte aligned, as TVM's kernels want
-    logits = []
-    for start, end in ((0, cut), (cut, len(tokens))):
-        at = [p - start for p in image_at if start <= p < end]
-        taken = [i for i, p in enumerate(image_at) if start <= p < end]
-        piece = SequenceSlice(tokens[start:end], start, [1, 2], range(end - start), at, image[taken])
-        inputs = build_step_inputs([piece], 16, vocab_size=config.vocab_size)
-        logits.append(torch.from_numpy(executable.step(inputs, cache)))
-    with torch.no_grad():
-        expected = reference(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
-    got = torch.cat(logits)
-    assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
-    after = build_step_inputs([SequenceSlice([10], len(tokens), [1, 2])], 16, vocab_size=config.vocab_size)
-    with torch.no_grad():
-        expected_next = reference(input_ids=torch.tensor([[*tokens, 10]]), pixel_values=pixels).logits[0, -1]
-    next_logits = torch.from_numpy(executable.step(after, cache))[0]  # no image rows in this step
-    assert torch.allclose(next_logits, expected_next, atol=1e-4, rtol=0)
+    check_image_rows_in_the_step(executable, reference, vision, encoder, config.vocab_size)
