@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import sys
@@ -232,7 +233,7 @@ class Executable:
     kv_cache_device: str = "cpu"
     sleeps: bool = True  # its KV cache and weights can be handed back (runtime/live_weights.py)
 
-    @property
+    @functools.cached_property
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec.of_type(self.signature.kv_cache)
 
@@ -240,7 +241,7 @@ class Executable:
     def embeds(self) -> bool:
         return self.signature.has(EMBED)
 
-    @property
+    @functools.cached_property
     def lora_spec(self) -> LoRASpec | None:
         """The LoRA tables its step takes, None for a step compiled without."""
         from kiln.backends.lora_tables import LoRASpec

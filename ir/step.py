@@ -211,7 +211,7 @@ class StepSignature:
     def has(self, entry_point: str) -> bool:
         return entry_point in self.entry_points
 
-    @property
+    @functools.cached_property
     def optional(self) -> tuple[str, ...]:
         """The optional inputs this step takes, in order."""
         return tuple(n for n, _ in self.inputs if n not in STEP_INPUT_TYPES and n != KV_CACHE_INPUT)
