@@ -40,9 +40,9 @@ from kiln.runtime.live_weights import (
     PauseMode,
     StagedWeights,
     WeightVersion,
-    return_freed_memory,
 )
 from kiln.runtime.lora import LoRAError, LoRARequest
+from kiln.runtime.memory import return_freed_memory
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.pooling import PoolingParams, PoolingType
 from kiln.runtime.sampling_params import SamplingParams, StructuredOutput

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from kiln.errors import KilnError
-from kiln.runtime.memory import return_freed_memory as return_freed_memory  # async_engine.py imports it here
 
 if TYPE_CHECKING:
     import torch
