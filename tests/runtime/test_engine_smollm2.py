@@ -132,7 +132,8 @@ def test_prompt_logprobs_match_a_direct_computation(smollm2_o2) -> None:
     expected = torch.log_softmax(rows, dim=-1)
     for position, entry in enumerate(output.prompt_logprobs[1:]):
         token = prompt[position + 1]
-        assert entry is not None and abs(entry[token] - float(expected[position, token])) < 1e-5
+        want = float(expected[position, token])  # float32: chunked steps sum in another order
+        assert entry is not None and abs(entry[token] - want) < 1e-5 * max(1.0, abs(want))
         assert len(entry) in (2, 3)  # the actual token plus the top 2 (which may include it)
     (top,) = output.outputs[0].logprobs
     assert output.outputs[0].token_ids[0] in top and len(top) in (3, 4)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kiln.backends.tvm.cuda_graphs import Captured
+from kiln.backends.tvm.executable import host_aligned
 
 
 class Rerun:
@@ -24,6 +25,6 @@ class Rerun:
 
 
 def rerun_capture(executable: Any, host: list[np.ndarray], kv_cache: torch.Tensor) -> Captured:
-    tensors = [torch.from_numpy(a.copy()) for a in host]
+    tensors = [torch.from_numpy(host_aligned(a.copy())) for a in host]  # a GPU's staging aligns them
     logits = torch.from_dlpack(executable.call(tensors, kv_cache)).clone()
     return Captured(Rerun(executable, tensors, kv_cache, logits), tensors, logits, kv_cache)
