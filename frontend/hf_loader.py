@@ -8,14 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from kiln.errors import ModelLoadError
 from kiln.frontend import gemma3, idefics3, llava
 from kiln.frontend.config import BARE_DECODERS, ModelConfig, config_from_hf
+from kiln.frontend.hf_quantization import dequantized_weights, read_quantization
 from kiln.frontend.models import adapt_hf_weights
+from kiln.frontend.safetensors_file import mapped_tensors
 from kiln.frontend.source import ModelSource, Weight
 from kiln.frontend.vision import with_images
 
@@ -184,22 +182,23 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def read_weights(path: Path) -> dict[str, Weight]:
+    """The checkpoint's tensors by name, mapped and deferred (read when materialized, one at a time); a
+    pre-quantized checkpoint's linears as their float values (frontend/hf_quantization.py). A
+    quantization this runtime does not load is refused before any tensor is read."""
+    quantization = (
+        read_quantization(_read_json(path / "config.json"), path)
+        if (path / "config.json").is_file()
+        else None
+    )
     weights: dict[str, Weight] = {}
     for file in weight_files(path):
-        for name, tensor in _load_safetensors(file).items():
+        for name, tensor in mapped_tensors(file).items():
             if name in weights:
                 raise ModelLoadError(
                     f"{file}: tensor {name!r} is also in another shard", hint="the checkpoint is inconsistent"
                 )
             weights[name] = tensor
+    if quantization is not None:
+        logger.info("%s: %s", path, quantization.description)
+        weights = dequantized_weights(weights, quantization, path / "config.json")
     return weights
-
-
-def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ModelLoadError(
-            f"{file}: cannot read safetensors ({error})",
-            hint="the file is truncated or corrupt; download it again",
-        ) from None

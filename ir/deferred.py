@@ -89,6 +89,14 @@ def concatenated(weights: Sequence[Weight]) -> Weight:
     return Deferred(shape, weights[0].dtype, lambda: torch.cat([materialize(w) for w in weights], dim=0))
 
 
+def stacked(weights: Sequence[Weight]) -> Weight:
+    """The weights stacked along a new dim 0: now where all are tensors, deferred where any is."""
+    if not any(isinstance(w, Deferred) for w in weights):
+        return torch.stack(list(weights))  # type: ignore[arg-type]
+    shape = (len(weights), *weights[0].shape)
+    return Deferred(shape, weights[0].dtype, lambda: torch.stack([materialize(w) for w in weights]))
+
+
 class _Shared:
     """One computation's results, kept until each part has been taken once (then let go)."""
 

@@ -17,14 +17,21 @@ from kiln.frontend.config import ModelConfig
 from kiln.frontend.models.llama import Attention, LlamaForCausalLM, RMSNorm
 from kiln.frontend.models.step import StepTensors
 from kiln.frontend.ops import gelu_tanh
+from kiln.ir.deferred import Deferred, Weight
 
 
-def from_hf_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_weights(config: ModelConfig, weights: dict[str, Weight]) -> dict[str, Weight]:
     """HF Gemma norms compute x * (1 + w): store 1 + w (float32, as HF adds it) so RMSNorm multiplies."""
     return {
-        name: (1.0 + tensor.float()).to(tensor.dtype) if name.endswith("norm.weight") else tensor
+        name: _one_plus(tensor) if name.endswith("norm.weight") else tensor
         for name, tensor in weights.items()
     }
+
+
+def _one_plus(weight: Weight) -> Weight:
+    if isinstance(weight, Deferred):
+        return weight.then(weight.shape, weight.dtype, lambda values: (1.0 + values.float()).to(values.dtype))
+    return (1.0 + weight.float()).to(weight.dtype)
 
 
 class MLP(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.ops import moe
+from kiln.ir.deferred import Weight, stacked
 
 
 class ExpertWeights(nn.Module):
@@ -61,17 +62,17 @@ _EXPERT = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.we
 
 def stack_experts(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
     """Per-expert HF tensors → one [E, N, K] tensor a projection; Mixtral's names → the others'."""
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    stacked: dict[str, Any] = {}
+    experts: dict[tuple[str, str], dict[int, Weight]] = {}
+    adapted: dict[str, Any] = {}
     for name, tensor in weights.items():
         match = _EXPERT.fullmatch(name)
         if match is None:
-            stacked[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = tensor
+            adapted[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = tensor
             continue
         prefix, index, part = match.groups()
         experts.setdefault((prefix, _MIXTRAL_NAMES.get(part, part)), {})[int(index)] = tensor
     for (prefix, part), by_index in experts.items():
         if sorted(by_index) != list(range(config.num_experts)):
             continue  # incomplete: build_model names what is missing
-        stacked[f"{prefix}.mlp.experts.{part}.weight"] = torch.stack([by_index[i] for i in sorted(by_index)])
-    return stacked
+        adapted[f"{prefix}.mlp.experts.{part}.weight"] = stacked([by_index[i] for i in sorted(by_index)])
+    return adapted

@@ -1,0 +1,406 @@
+"""Pre-quantized HF checkpoints: which `quantization_config`s load, and each quantized linear's weight as
+the float values its format defines.
+
+Loaded: compressed-tensors (llm-compressor's format) `float-quantized` FP8 weights (tensor, channel and
+block scales), `pack-quantized`, `naive-quantized` and `int-quantized` integer weights (4 or 8 bits,
+channel or group scales, symmetric or with zero points, with or without an activation order), and the
+fine-grained `fp8` method (`weight_block_size`, `weight_scale_inv`). Each weight is dequantized when the
+artifact writer asks for it (a `Deferred`), exactly as the format defines its value (float32). Quantized
+activations (an A8 scheme) are not reproduced: Kiln computes activations in the artifact's float dtype.
+
+Anything else that names a quantization (bitsandbytes, GPTQ, AWQ, HQQ, NVFP4, MXFP4, sparsity, rotations,
+a KV-cache scheme, a variant of a loaded method) is refused before a weight is read: a checkpoint's
+quantized tensors must never be cast and served as if they were float weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.errors import ModelLoadError
+from kiln.ir.deferred import Deferred, Weight, materialize
+
+HINT = "use the checkpoint's bf16/fp16 original or a GGUF of it"
+# the files that older GPTQ and AWQ tools write beside config.json instead of a quantization_config
+SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+COMPRESSED_TENSORS_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
+# the per-module tensors each format stores beside (or instead of) `weight`
+AUXILIARY = (
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_g_idx",
+    "input_scale",
+    "weight_scale_inv",
+)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one linear's weight is stored: `float8` (e4m3 values times scales) or `int` (`bits`-bit
+    integers minus zero points, times scales); scales per `strategy` ("tensor", "channel", "group" of
+    `group_size` inputs, "block" of `block` rows × columns)."""
+
+    kind: str
+    bits: int
+    strategy: str
+    symmetric: bool = True
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
+    packed: bool = False  # int values packed into int32 words (compressed-tensors pack-quantized)
+
+    def describe(self) -> str:
+        size = {
+            "group": f" {self.group_size}",
+            "block": f" {self.block[0]}x{self.block[1]}" if self.block else "",
+        }
+        kind = "float8 e4m3" if self.kind == "float8" else f"int{self.bits}"
+        zero = "" if self.symmetric else ", zero points"
+        return f"{kind}, {self.strategy}{size.get(self.strategy, '')} scales{zero}"
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """A loaded `quantization_config`: the method, and the format of each linear it quantizes."""
+
+    method: str
+    description: str
+    formats: tuple[tuple[tuple[str, ...], WeightFormat], ...]  # (targets, format), in the config's order
+    ignore: tuple[str, ...] = ()
+
+    def format_of(self, module: str) -> WeightFormat | None:
+        """The format of `module`'s weight (None: not quantized)."""
+        if any(_matches(target, module) for target in self.ignore):
+            return None
+        named = [
+            fmt for targets, fmt in self.formats if any(_names(t) and _matches(t, module) for t in targets)
+        ]
+        if named:
+            return named[0]
+        return next((fmt for targets, fmt in self.formats if any(not _names(t) for t in targets)), None)
+
+
+def read_quantization(config: Mapping[str, Any], folder: Path) -> CheckpointQuantization | None:
+    """The checkpoint's quantization, None for a float checkpoint; a method or variant this runtime does
+    not load is refused, named, before any weight is read."""
+    where = folder / "config.json"
+    for side_file, method in SIDE_CONFIGS.items():
+        if (folder / side_file).is_file() and "quantization_config" not in config:
+            _refuse(folder / side_file, f"quantization {method!r} (an {side_file} beside config.json)")
+    raw = config.get("quantization_config")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError(f"{where}: quantization_config is not an object", hint="the config is corrupt")
+    method = str(raw.get("quant_method", "unknown")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw, where)
+    if method == "fp8":
+        return _fine_grained_fp8(raw, where)
+    _refuse(where, f"quantization {method!r}{_variant(method, raw)}")
+    raise AssertionError  # unreachable: _refuse raises
+
+
+def dequantized_weights(
+    weights: Mapping[str, Weight], quantization: CheckpointQuantization, where: Path
+) -> dict[str, Weight]:
+    """The checkpoint's tensors with each quantized linear's parts made one float32 `weight`."""
+    modules: dict[str, dict[str, Weight]] = {}
+    for name, tensor in weights.items():
+        module, _, part = name.rpartition(".")
+        modules.setdefault(module, {})[part] = tensor
+    result: dict[str, Weight] = {}
+    for module, parts in modules.items():
+        fmt = quantization.format_of(module)
+        stored = "weight_packed" in parts or "weight_scale" in parts or "weight_scale_inv" in parts
+        if fmt is None or not stored:
+            if stored or (
+                fmt is not None and parts.get("weight") is not None and _is_quantized(parts["weight"])
+            ):
+                raise ModelLoadError(
+                    f"{where}: {module}'s stored weight does not match the quantization_config "
+                    f"({'quantized' if stored else 'float'} tensors where the config says "
+                    f"{'not quantized' if fmt is None else fmt.describe()})",
+                    hint="the checkpoint is inconsistent; " + HINT,
+                )
+            result.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
+            continue
+        rest = {
+            part: tensor
+            for part, tensor in parts.items()
+            if part not in AUXILIARY and part != "weight_packed"
+        }
+        result.update({f"{module}.{part}": tensor for part, tensor in rest.items() if part != "weight"})
+        result[f"{module}.weight"] = _dequantized(parts, fmt, f"{where}: {module}")
+    return result
+
+
+def _is_quantized(weight: Weight) -> bool:
+    return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.int32, torch.uint8)
+
+
+# -- compressed-tensors ---------------------------------------------------------------------------------
+
+
+def _compressed_tensors(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
+    for key, what in (
+        ("sparsity_config", "sparsity"),
+        ("transform_config", "transforms (rotations)"),
+        ("kv_cache_scheme", "a KV-cache scheme"),
+    ):
+        if raw.get(key):
+            _refuse(where, f"compressed-tensors with {what} ({key})")
+    groups = raw.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        _refuse(where, "compressed-tensors without config_groups")
+    top_format = raw.get("format")
+    formats: list[tuple[tuple[str, ...], WeightFormat]] = []
+    described: list[str] = []
+    for group_name, group in groups.items():
+        if not isinstance(group, Mapping):
+            raise ModelLoadError(
+                f"{where}: config group {group_name!r} is not an object", hint="corrupt config"
+            )
+        layout = group.get("format") or top_format
+        label = f"compressed-tensors {layout} ({group_name})"
+        if layout not in COMPRESSED_TENSORS_FORMATS:
+            _refuse(where, f"compressed-tensors format {layout!r} ({group_name})")
+        if group.get("output_activations"):
+            _refuse(where, f"{label} with output activations quantized")
+        fmt = _compressed_tensors_weights(group.get("weights"), layout, label, where)
+        _check_activations(group.get("input_activations"), label, where)
+        targets = group.get("targets") or []
+        if not isinstance(targets, list) or not targets:
+            _refuse(where, f"{label} without targets")
+        formats.append((tuple(str(t) for t in targets), fmt))
+        described.append(f"{layout}: {fmt.describe()}")
+    ignore = raw.get("ignore") or []
+    return CheckpointQuantization(
+        method="compressed-tensors",
+        description="compressed-tensors " + "; ".join(dict.fromkeys(described)),
+        formats=tuple(formats),
+        ignore=tuple(str(name) for name in ignore),
+    )
+
+
+def _compressed_tensors_weights(args: Any, layout: str, label: str, where: Path) -> WeightFormat:
+    if not isinstance(args, Mapping):
+        _refuse(where, f"{label} without quantized weights")
+    kind, bits = args.get("type"), args.get("num_bits")
+    strategy, symmetric = args.get("strategy"), bool(args.get("symmetric", True))
+    variant = f"{label}: {kind} {bits}-bit weights, {strategy} strategy"
+    if args.get("dynamic"):
+        _refuse(where, f"{variant}, dynamic")
+    if layout == "float-quantized":
+        if (kind, bits) != ("float", 8) or strategy not in ("tensor", "channel", "block") or not symmetric:
+            _refuse(where, variant)
+        block = args.get("block_structure")
+        return WeightFormat(
+            kind="float8",
+            bits=8,
+            strategy=strategy,
+            block=tuple(int(n) for n in block) if strategy == "block" and block else None,
+        )
+    if kind != "int" or bits not in (4, 8) or strategy not in ("channel", "group"):
+        _refuse(where, variant)
+    if args.get("actorder") not in (None, "group", "static", "weight", False):
+        _refuse(where, f"{variant}, actorder {args.get('actorder')!r}")
+    group_size = args.get("group_size")
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        _refuse(where, f"{variant} without a group size")
+    return WeightFormat(
+        kind="int",
+        bits=int(bits),
+        strategy=strategy,
+        symmetric=symmetric,
+        group_size=int(group_size) if strategy == "group" else None,
+        packed=layout == "pack-quantized",
+    )
+
+
+def _check_activations(args: Any, label: str, where: Path) -> None:
+    """Quantized input activations are computed in float; any form a checkpoint may name is accepted
+    except those whose values change the weights' meaning (none today) or that are not 8-bit."""
+    if args is None:
+        return
+    if not isinstance(args, Mapping) or args.get("num_bits") != 8 or args.get("type") not in ("float", "int"):
+        _refuse(where, f"{label} with {args.get('type') if isinstance(args, Mapping) else args} activations")
+
+
+# -- fine-grained FP8 (quant_method: fp8) ------------------------------------------------------------------
+
+
+def _fine_grained_fp8(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
+    block = raw.get("weight_block_size")
+    fmt_name = str(raw.get("fmt", "e4m3")).lower()
+    if fmt_name != "e4m3":
+        _refuse(where, f"quantization 'fp8' ({fmt_name})")
+    if raw.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        _refuse(where, f"quantization 'fp8' (activation scheme {raw.get('activation_scheme')!r})")
+    if block is None:
+        fmt = WeightFormat(kind="float8", bits=8, strategy="tensor")
+    elif isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block):
+        fmt = WeightFormat(kind="float8", bits=8, strategy="block", block=(block[0], block[1]))
+    else:
+        raise ModelLoadError(
+            f"{where}: weight_block_size {block!r} is not [rows, columns]", hint="corrupt config"
+        )
+    skipped = raw.get("modules_to_not_convert") or []
+    return CheckpointQuantization(
+        method="fp8",
+        description=f"fp8 ({fmt.describe()})",
+        formats=((("Linear",), fmt),),
+        ignore=tuple(str(name) for name in skipped),
+    )
+
+
+# -- dequantization -------------------------------------------------------------------------------------
+
+
+def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str) -> Deferred:
+    def need(part: str) -> Weight:
+        if part not in parts:
+            raise ModelLoadError(
+                f"{where}: no {part} (its format: {fmt.describe()})", hint="the checkpoint is incomplete"
+            )
+        return parts[part]
+
+    scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+    if scale is None:
+        need("weight_scale")
+    if fmt.kind == "float8":
+        stored = need("weight")
+        shape = tuple(stored.shape)
+        make: Callable[[], torch.Tensor] = lambda: _float8_values(stored, scale, fmt, where)  # noqa: E731
+    else:
+        if fmt.packed:
+            packed, shape_tensor = need("weight_packed"), need("weight_shape")
+            shape = tuple(int(n) for n in materialize(shape_tensor).tolist())
+            stored = packed
+        else:
+            stored = need("weight")
+            shape = tuple(stored.shape)
+        zero = parts.get("weight_zero_point")
+        if not fmt.symmetric and zero is None:
+            need("weight_zero_point")
+        order = parts.get("weight_g_idx")
+        make = lambda: _int_values(stored, scale, zero, order, shape, fmt, where)  # noqa: E731
+    return Deferred(shape, torch.float32, make)
+
+
+def _float8_values(stored: Weight, scale: Weight, fmt: WeightFormat, where: str) -> torch.Tensor:
+    values = materialize(stored)
+    if values.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(f"{where}: weight is {values.dtype}, not float8 e4m3", hint="corrupt checkpoint")
+    return values.to(torch.float32) * _expanded(
+        materialize(scale).to(torch.float32), values.shape, fmt, where
+    )
+
+
+def _int_values(
+    stored: Weight,
+    scale: Weight,
+    zero: Weight | None,
+    order: Weight | None,
+    shape: tuple[int, ...],
+    fmt: WeightFormat,
+    where: str,
+) -> torch.Tensor:
+    rows, columns = shape
+    values = materialize(stored)
+    if fmt.packed:
+        ints = _unpacked(values, fmt.bits, columns, where)
+    else:
+        if values.dtype != torch.int8:
+            raise ModelLoadError(f"{where}: weight is {values.dtype}, not int8", hint="corrupt checkpoint")
+        ints = values.to(torch.int32)
+    scales = materialize(scale).to(torch.float32)
+    groups = scales.shape[-1]
+    zeros = torch.zeros_like(scales)
+    if zero is not None and not fmt.symmetric:
+        points = materialize(zero)
+        if points.dtype == torch.int32 and points.shape[0] != rows:  # packed along the rows
+            points = _unpacked(points.t().contiguous(), fmt.bits, rows, where).t()
+        zeros = points.to(torch.float32).reshape(scales.shape)
+    if order is not None:
+        group_of_column = materialize(order).to(torch.int64)
+    elif fmt.strategy == "group":
+        group_of_column = torch.arange(columns) // int(fmt.group_size or columns)
+    else:
+        group_of_column = torch.zeros(columns, dtype=torch.int64)
+    if int(group_of_column.max()) >= groups or group_of_column.shape != (columns,):
+        raise ModelLoadError(
+            f"{where}: scales {list(scales.shape)} do not cover {columns} columns", hint="corrupt"
+        )
+    return (ints.to(torch.float32) - zeros[:, group_of_column]) * scales[:, group_of_column]
+
+
+def _unpacked(words: torch.Tensor, bits: int, columns: int, where: str) -> torch.Tensor:
+    """Signed `bits`-bit integers from int32 words holding 32 / bits each, lowest bits first, each
+    stored plus 2^(bits-1) (compressed-tensors' pack_to_int32)."""
+    if words.dtype != torch.int32:
+        raise ModelLoadError(f"{where}: packed weight is {words.dtype}, not int32", hint="corrupt checkpoint")
+    data = words.contiguous().view(torch.uint8)  # little-endian words: the lowest bits in the first byte
+    if bits == 4:
+        data = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(words.shape[0], -1)
+    if data.shape[-1] < columns:
+        raise ModelLoadError(
+            f"{where}: packed weight holds fewer than {columns} columns", hint="corrupt checkpoint"
+        )
+    return data[:, :columns].to(torch.int32) - (1 << (bits - 1))
+
+
+def _expanded(scale: torch.Tensor, shape: torch.Size, fmt: WeightFormat, where: str) -> torch.Tensor:
+    """Scales broadcast over the weight: one, one a row, or one a block (the last blocks may be cut)."""
+    rows, columns = shape
+    if fmt.strategy == "block":
+        if fmt.block is None:
+            raise ModelLoadError(f"{where}: block scales without a block size", hint="the config is corrupt")
+        block_rows, block_columns = fmt.block
+        if scale.shape != (-(-rows // block_rows), -(-columns // block_columns)):
+            raise ModelLoadError(
+                f"{where}: block scales {list(scale.shape)} do not fit {list(shape)}", hint="corrupt"
+            )
+        return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_columns, 1)[:, :columns]
+    if scale.numel() == 1:
+        return scale.reshape(1, 1)
+    if scale.numel() == rows:
+        return scale.reshape(rows, 1)
+    raise ModelLoadError(
+        f"{where}: scales {list(scale.shape)} do not fit {list(shape)}", hint="corrupt checkpoint"
+    )
+
+
+# -- refusal ----------------------------------------------------------------------------------------------
+
+
+def _variant(method: str, raw: Mapping[str, Any]) -> str:
+    """What a refused config says of itself, as a user would name it ("4-bit nf4")."""
+    if method == "bitsandbytes":
+        if raw.get("load_in_4bit"):
+            return f" (4-bit {raw.get('bnb_4bit_quant_type', 'fp4')})"
+        if raw.get("load_in_8bit"):
+            return " (8-bit)"
+    bits = raw.get("bits") or raw.get("w_bit") or raw.get("nbits")
+    return f" ({bits}-bit)" if bits else ""
+
+
+def _refuse(where: Path, what: str) -> None:
+    raise ModelLoadError(f"{where}: {what} is not supported", hint=HINT)
+
+
+def _names(target: str) -> bool:
+    """Whether a compressed-tensors target names modules (a regex or a dotted name), not a class."""
+    return target.startswith("re:") or "." in target
+
+
+def _matches(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target) or (target == "lm_head" and module == "lm_head")
