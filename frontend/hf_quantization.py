@@ -2,11 +2,12 @@
 the float values its format defines.
 
 Loaded: compressed-tensors (llm-compressor's format) `float-quantized` FP8 weights (tensor, channel and
-block scales), `pack-quantized`, `naive-quantized` and `int-quantized` integer weights (4 or 8 bits,
-channel or group scales, symmetric or with zero points, with or without an activation order), and the
-fine-grained `fp8` method (`weight_block_size`, `weight_scale_inv`). Each weight is dequantized when the
-artifact writer asks for it (a `Deferred`), exactly as the format defines its value (float32). Quantized
-activations (an A8 scheme) are not reproduced: Kiln computes activations in the artifact's float dtype.
+block scales; older tools saved them `naive-quantized`), `pack-quantized`, `naive-quantized` and
+`int-quantized` integer weights (4 or 8 bits, channel or group scales, symmetric or with zero points,
+with or without an activation order), and the fine-grained `fp8` method (`weight_block_size`,
+`weight_scale_inv`). Each weight is dequantized when the artifact writer asks for it (a `Deferred`),
+exactly as the format defines its value (float32). Quantized activations (an A8 scheme) are not
+reproduced: Kiln computes activations in the artifact's float dtype.
 
 Anything else that names a quantization (bitsandbytes, GPTQ, AWQ, HQQ, NVFP4, MXFP4, sparsity, rotations,
 a KV-cache scheme, a variant of a loaded method) is refused before a weight is read: a checkpoint's
@@ -197,8 +198,8 @@ def _compressed_tensors_weights(args: Any, layout: str, label: str, where: Path)
     variant = f"{label}: {kind} {bits}-bit weights, {strategy} strategy"
     if args.get("dynamic"):
         _refuse(where, f"{variant}, dynamic")
-    if layout == "float-quantized":
-        if (kind, bits) != ("float", 8) or strategy not in ("tensor", "channel", "block") or not symmetric:
+    if kind == "float" and layout in ("float-quantized", "naive-quantized"):
+        if bits != 8 or strategy not in ("tensor", "channel", "block") or not symmetric:
             _refuse(where, variant)
         block = args.get("block_structure")
         return WeightFormat(
@@ -207,7 +208,12 @@ def _compressed_tensors_weights(args: Any, layout: str, label: str, where: Path)
             strategy=strategy,
             block=tuple(int(n) for n in block) if strategy == "block" and block else None,
         )
-    if kind != "int" or bits not in (4, 8) or strategy not in ("channel", "group"):
+    if (
+        kind != "int"
+        or layout == "float-quantized"
+        or bits not in (4, 8)
+        or strategy not in ("channel", "group")
+    ):
         _refuse(where, variant)
     if args.get("actorder") not in (None, "group", "static", "weight", False):
         _refuse(where, f"{variant}, actorder {args.get('actorder')!r}")

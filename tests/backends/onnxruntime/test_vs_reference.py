@@ -18,6 +18,7 @@ from kiln.backends.onnxruntime.backend import OnnxRuntimeBackend
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.targets import Target
 from kiln.ir import Graph, Program
+from kiln.ir.deferred import materialize
 from kiln.ir.host_arrays import as_torch
 from kiln.ir.ops.moe import quantized_inputs
 from kiln.ir.ops.quant import pack_int4, unpack_int4
@@ -42,11 +43,11 @@ def _as_gguf_q4_1(program: Program) -> Program:
     q4_1 = {"scheme": "min", "packing": "gguf"}
 
     def rewrite(qweight: str, scales: str, zeros: str) -> None:
-        packed = weights[qweight]
+        packed, scale, zero = (materialize(weights[name]) for name in (qweight, scales, zeros))
         rows = unpack_int4(packed.reshape(-1, packed.shape[-1]), "pairs")  # stacked experts: [E * N, K/2]
         weights[qweight] = pack_int4(rows, "gguf").reshape(packed.shape)
-        weights[zeros] = (-weights[zeros] * weights[scales]).to(torch.float16)
-        weights[scales] = weights[scales].to(torch.float16)
+        weights[zeros] = (-zero * scale).to(torch.float16)
+        weights[scales] = scale.to(torch.float16)
 
     nodes = []
     for node in program.graph.nodes:

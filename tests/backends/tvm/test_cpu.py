@@ -119,7 +119,11 @@ def test_held_weight_bytes_are_what_the_kernels_read(tmp_path: Path, tvm_compile
         size = torch.empty(param["shape"], dtype=getattr(torch, param["dtype"])).nbytes
         expected[param["source"]] = expected.get(param["source"], 0) + size
     assert held == expected
-    packed = {name: quantized.weights[name].nbytes for name in held if name.endswith(".qweight")}
+    packed = {
+        name: quantized.weights[name].numel() * quantized.weights[name].element_size()
+        for name in held
+        if name.endswith(".qweight")
+    }
     assert len(packed) == 2 * 4 + 1
     assert all(held[name] == size for name, size in packed.items()), (held, packed)
 
