@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 
 PEERS := .venv-peers
 
-.PHONY: setup model test-models test test-fast lint serve bench bench-peers bench-serve bench-compare clean
+.PHONY: setup model test-models test test-all lint serve bench bench-peers bench-serve bench-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,14 @@ test-models: setup
 	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
 	PYTHON=$(BIN)/python bash scripts/llama_cpp_source.sh "" --python-only >/dev/null
 
+# make test leaves out the tests marked slow (real-model servers, emulated aarch64, whole-model
+# compiles): the whole suite took 65 minutes on a 2-vCPU AMD EPYC (2026-12-07), past CI's budget there.
+# make test-all runs every test.
 test: test-models
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-
-test-fast: test-models
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+test-all: test-models
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
