@@ -12,6 +12,7 @@ import torch
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.tvm.cpu_features import host_flags
 from kiln.ir import Program
+from kiln.ir.deferred import materialize
 from kiln.ir.ops import moe as moe_ops
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.passes import PassManager, PassOptions, pipeline
@@ -82,7 +83,7 @@ def _poisoned(program: Program, chosen: list[set[int]]) -> Program:
         stacked = node.inputs[2:5] if node.op == "moe" else node.inputs[5:8]
         for value in stacked:
             assert value is not None
-            tensor = weights[value.name].clone()
+            tensor = materialize(weights[value.name]).clone()
             unchosen = [e for e in range(tensor.shape[0]) if e not in experts]
             tensor[unchosen] = float("nan")
             weights[value.name] = tensor
