@@ -35,7 +35,7 @@ test-models: setup
 	PYTHON=$(BIN)/python bash scripts/llama_cpp_source.sh "" --python-only >/dev/null
 
 # make test leaves out the tests marked slow (real-model servers, emulated aarch64, whole-model
-# compiles): the whole suite took 65 minutes on a 2-vCPU AMD EPYC (2026-12-07), past CI's budget there.
+# compiles): the whole suite took 65-78 minutes on a 2-vCPU AMD EPYC (2026-12-07), past CI's budget there.
 # make test-all runs every test.
 test: test-models
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
