@@ -11,7 +11,11 @@ from typing import Any
 from kiln.errors import ModelLoadError
 from kiln.frontend import gemma3, idefics3, llava
 from kiln.frontend.config import BARE_DECODERS, ModelConfig, config_from_hf
-from kiln.frontend.hf_quantization import dequantized_weights, read_quantization
+from kiln.frontend.hf_quantization import (
+    dequantized_weights,
+    read_quantization,
+    refuse_unlabelled_quantization,
+)
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.safetensors_file import mapped_tensors
 from kiln.frontend.source import ModelSource, Weight
@@ -198,7 +202,8 @@ def read_weights(path: Path) -> dict[str, Weight]:
                     f"{file}: tensor {name!r} is also in another shard", hint="the checkpoint is inconsistent"
                 )
             weights[name] = tensor
-    if quantization is not None:
-        logger.info("%s: %s", path, quantization.description)
-        weights = dequantized_weights(weights, quantization, path / "config.json")
-    return weights
+    if quantization is None:
+        refuse_unlabelled_quantization(weights, path / "config.json")
+        return weights
+    logger.info("%s: %s", path, quantization.description)
+    return dequantized_weights(weights, quantization, path / "config.json")

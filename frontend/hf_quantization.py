@@ -142,6 +142,18 @@ def dequantized_weights(
     return result
 
 
+def refuse_unlabelled_quantization(weights: Mapping[str, Weight], where: Path) -> None:
+    """A checkpoint without a quantization_config whose tensors are quantized (float8 values, scales,
+    packed words) is refused: cast to float, they would serve noise."""
+    for name, weight in weights.items():
+        part = name.rpartition(".")[2]
+        if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or part in (*AUXILIARY, "weight_packed"):
+            raise ModelLoadError(
+                f"{where}: no quantization_config, but {name} is stored quantized ({weight.dtype})",
+                hint="the config.json is not the checkpoint's own; " + HINT,
+            )
+
+
 def _is_quantized(weight: Weight) -> bool:
     return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.int32, torch.uint8)
 

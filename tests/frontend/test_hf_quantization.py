@@ -215,3 +215,12 @@ def test_fine_grained_fp8_blocks_cut_at_the_edges(tmp_path: Path) -> None:
     reference = transformers_logits(model, PROMPT).numpy()
     logits = kiln_logits(folder)
     assert np.abs(logits - reference).max() / np.abs(reference).max() < 1e-5
+
+
+def test_quantized_tensors_without_a_quantization_config_are_refused(
+    checkpoints: Any, tmp_path: Path
+) -> None:
+    folder, _ = checkpoints("fp8_dynamic")
+    changed = _with_config(folder, tmp_path, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ModelLoadError, match=r"no quantization_config, but .* is stored quantized"):
+        load_hf_dir(changed)
