@@ -24,6 +24,8 @@ from kiln.frontend.source import ModelSource, QuantizedTensor
 from kiln.frontend.vision import encoder_program
 from kiln.ir import Program, print_graph
 from kiln.passes import Pass, PassManager, PassOptions, PassReport, pipeline
+from kiln.passes.base import GGUF_MIXES, pass_quantization
+from kiln.passes.quantize.gguf_mix import MixModel, encoded_blocks
 from kiln.passes.shard import shard_with_blocks
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -35,6 +37,7 @@ class Optimized:
     program: Program  # after the pass pipeline
     passes: list[Pass]
     report: PassReport
+    gguf_types: dict[str, str]  # the weights imported as GGUF blocks: their block types
 
 
 @dataclass
@@ -64,18 +67,32 @@ def runtime_tokenizer(source: ModelSource) -> Tokenizer:
 
 def pass_options(options: PipelineOptions, source: ModelSource | None = None) -> PassOptions:
     """Pass options; the gguf quantization imports `source`'s GGUF blocks, the LM head's too (llama.cpp
-    multiplies by them as well)."""
+    multiplies by them as well). A llama.cpp mix (q4_k_m, ...) is the gguf import of the blocks
+    `optimize` makes of the captured weights."""
+    quantization = pass_quantization(options.quantization)
     gguf = options.quantization == "gguf"
     return PassOptions(
-        quantization=options.quantization,
+        quantization=quantization,
         group_size=options.group_size,
         dtype=options.dtype,
         kv_cache_dtype=options.kv_cache_dtype,
         lora=options.enable_lora,
         lora_dtype=options.lora_dtype,
         gguf_blocks=gguf_blocks(source) if gguf and source is not None else {},
-        quantize_lm_head=gguf,
+        quantize_lm_head=quantization == "gguf",
     )
+
+
+def mix_model(config: ModelConfig) -> MixModel:
+    """What llama-quantize's choice of block types reads of `config` beside the tensors."""
+    seventy_b = config.num_hidden_layers == 80 and (
+        config.architecture == "Qwen2ForCausalLM"
+        or (
+            config.architecture == "LlamaForCausalLM"
+            and config.num_attention_heads != config.num_key_value_heads
+        )
+    )
+    return MixModel(config.num_hidden_layers, config.num_experts, seventy_b)
 
 
 def optimize(
@@ -97,6 +114,12 @@ def optimize(
     options_for_passes = pass_options(options, source)
     if gguf is not None:
         options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=gguf)
+    elif options.quantization in GGUF_MIXES:
+        encoded = encoded_blocks(
+            Program(captured.graph, captured.weights), options.quantization, mix_model(config)
+        )
+        options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=encoded)
+    gguf_types = {name: blocks.ggml_type for name, blocks in sorted(options_for_passes.gguf_blocks.items())}
     captured_program, blocks = shard_with_blocks(
         Program(captured.graph, captured.weights),
         options.tensor_parallel_size,
@@ -111,7 +134,7 @@ def optimize(
     program, report = PassManager(passes).run(captured_program, options_for_passes)
     if progress is not None:
         progress("passes", time.perf_counter() - captured_at)
-    return Optimized(options_for_passes.quantization, captured_program, program, passes, report)
+    return Optimized(options_for_passes.quantization, captured_program, program, passes, report, gguf_types)
 
 
 def build_program(

@@ -29,13 +29,12 @@ from kiln.backends.base import (
 )
 from kiln.backends.registry import get_backend
 from kiln.backends.targets import Target, mismatch
-from kiln.compiler.build import Progress, build_program, gguf_blocks, rank_programs
+from kiln.compiler.build import BuiltProgram, Progress, build_program, rank_programs
 from kiln.compiler.output import check_output, scratch_beside, swap_in
 from kiln.compiler.plan import Plan
 from kiln.compiler.source_digest import model_digest
 from kiln.errors import ModelLoadError
 from kiln.frontend.pull import resolve_model
-from kiln.frontend.source import ModelSource
 from kiln.ir import DTYPES, Program, print_graph
 from kiln.ir.deferred import materialize
 from kiln.ir.step import SequenceSlice, build_step_inputs
@@ -188,12 +187,10 @@ def _compile_encoders(
     return {**entries, "weights": weights}
 
 
-def _gguf_types(source: ModelSource, quantization: str | None) -> dict[str, Any]:
+def _gguf_types(built: BuiltProgram) -> dict[str, Any]:
     """A GGUF-blocks artifact's block type of each quantized weight (by HF name), so that new float
     weights can be quantized as the file was (kiln/compiler/refit.py)."""
-    if quantization != "gguf":
-        return {}
-    return {"gguf_types": {name: blocks.ggml_type for name, blocks in sorted(gguf_blocks(source).items())}}
+    return {"gguf_types": built.gguf_types} if built.gguf_types else {}
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
@@ -317,7 +314,7 @@ def compile_model(
                     "config": config.to_dict(),
                     "source_sha256": digest,
                     "model_id": model_id,
-                    **_gguf_types(source, plan.quantization),
+                    **_gguf_types(built),
                 },
                 "tokenizer": tokenizer_fields,
                 "compile": {**compile_fields, "passes": [p.name for p in built.passes]},

@@ -18,7 +18,7 @@ from typing import Any
 from kiln.backends.base import FLOAT8_KV_CACHE
 from kiln.backends.registry import BACKEND_NAMES
 from kiln.errors import OptionsError
-from kiln.passes.base import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from kiln.passes.base import DTYPES, GGUF_MIXES, KV_CACHE_DTYPES, QUANTIZATIONS
 from kiln.runtime.artifact import read_manifest
 
 DEFAULT_DTYPE = "f32"
@@ -71,8 +71,9 @@ class ModelOptions:
     quantization: str = field(
         default=AUTO,
         metadata=Flag(
-            "auto (default): a GGUF keeps its own quantized blocks, a float model stays float",
-            choices=(AUTO, "none", *QUANTIZATIONS),
+            "auto (default): a GGUF keeps its own quantized blocks, a float model stays float; q4_k_m, "
+            "q5_k_m, q6_k, q8_0, q4_0: llama.cpp's blocks, as llama-quantize makes them of float weights",
+            choices=(AUTO, "none", *QUANTIZATIONS, *GGUF_MIXES),
             commands=COMMANDS | PIPELINE_COMMANDS,
             compiled=True,
         ).metadata,

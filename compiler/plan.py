@@ -22,6 +22,7 @@ from kiln.compiler.options import (
     compiled_options,
 )
 from kiln.frontend.load import holds_gguf_blocks
+from kiln.passes.base import GGUF_MIXES, pass_quantization
 
 CPU_KV_CACHE_DTYPE = "f16"  # auto's KV cache for TVM on CPUs with float32 activations
 CPU_LORA_DTYPE = "f16"  # auto's LoRA tables there
@@ -87,6 +88,13 @@ def resolve(options: ModelOptions) -> Plan:
     quantization = options.quantization
     if quantization == AUTO:
         quantization = "gguf" if holds_gguf_blocks(options.model) else "none"
+    elif quantization in GGUF_MIXES and holds_gguf_blocks(options.model):
+        raise OptionsError(
+            f"--quantization {quantization} quantizes float weights, and {options.model} holds GGUF blocks "
+            "already",
+            hint="compile the GGUF as it is (--quantization auto keeps its blocks), or its float checkpoint "
+            f"with --quantization {quantization}",
+        )
     dtype = DEFAULT_DTYPE if options.dtype == AUTO else options.dtype
     plan = Plan(
         options=options,
@@ -163,6 +171,7 @@ def _refuse_what_cannot_build(plan: Plan) -> None:
             for f in dataclasses.fields(BuildRequest)
         }
     )
+    request = dataclasses.replace(request, quantization=pass_quantization(request.quantization))
     backend = get_backend(plan.backend)
     for target in plan.targets:
         refusal = backend.capabilities(target).refusal(request)

@@ -6,10 +6,10 @@ passes with the manifest's compile options: the same fusions, the same int8/int4
 GGUF block types), are laid out as the artifact's code reads them (`Backend.stored_weights`), and load
 into a new executable of the same compiled files. The engine swaps it in between requests.
 
-GGUF-blocks artifacts: a GGUF file of the same block types gives its blocks as they are; float weights
-are quantized to each tensor's block type with gguf-py's quantizers (llama.cpp's own Python port of its
-reference quantizers, for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0); a K-quant (Q4_K, Q6_K, ...) is refused,
-named: gguf-py has no quantizer for it, and a different one would make other blocks than llama.cpp's.
+GGUF-blocks artifacts (a GGUF's own blocks, or a llama.cpp mix such as q4_k_m): a GGUF file of the same
+block types gives its blocks as they are; float weights are quantized to each tensor's block type as
+llama-quantize quantizes them (passes/quantize/gguf_encode.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K); another type (Q2_K, Q3_K, ...) is refused, named: kiln has no quantizer identical to llama.cpp's.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
 
 from kiln.backends.base import Executable
@@ -34,14 +32,14 @@ from kiln.frontend.hf_loader import load_hf_weights
 from kiln.frontend.load import load_model
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.source import Weight, float32
-from kiln.ir.deferred import materialize
 from kiln.ir.gguf_blocks import QuantizedTensor
+from kiln.passes.base import pass_quantization
+from kiln.passes.quantize.gguf_encode import ENCODABLE, EncodedTensor
 from kiln.runtime.artifact import LoadedArtifact, load_ranks, rank_entries
 from kiln.runtime.live_weights import StagedWeights, WeightUpdateError, check_refittable
 from kiln.runtime.tensor_parallel import StagedRanks, TensorParallelExecutable
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GGUF_QUANTIZERS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # gguf-py quantizes these
 
 
 class Refitter:
@@ -62,6 +60,7 @@ class Refitter:
             context_len=int(manifest["limits"]["max_model_len"]),
         )
         self.gguf_types: dict[str, str] | None = manifest["model"].get("gguf_types")
+        self._keeps_blocks = pass_quantization(self.options.quantization) == "gguf"
         self._shapes: dict[str, tuple[int, ...]] | None = None
 
     # -- WeightSource ----------------------------------------------------------------------------------
@@ -79,7 +78,7 @@ class Refitter:
             )
         self._check(weights, f"{path}: ")
         given = {name: w for name, w in weights.items() if isinstance(w, QuantizedTensor)}
-        blocks = self._blocks(weights, given, f"{path}: ") if self.options.quantization == "gguf" else {}
+        blocks = self._blocks(weights, given, f"{path}: ") if self._keeps_blocks else {}
         return self._executable({name: float32(w) for name, w in weights.items()}, blocks)
 
     @staticmethod
@@ -96,7 +95,7 @@ class Refitter:
         self._refuse_what_cannot_refit()
         weights = self.adapted(tensors)
         self._check(weights, "")
-        blocks = self._blocks(weights, {}, "") if self.options.quantization == "gguf" else {}
+        blocks = self._blocks(weights, {}, "") if self._keeps_blocks else {}
         return self._executable({name: float32(w) for name, w in weights.items()}, blocks)
 
     def from_artifact(self) -> Executable:
@@ -194,15 +193,15 @@ class Refitter:
                     )
                 blocks[name] = block
                 continue
-            if ggml_type not in GGUF_QUANTIZERS:
+            if ggml_type not in ENCODABLE:
                 raise WeightUpdateError(
                     f"{where}tensor {name}: the artifact keeps it as {ggml_type} blocks, and kiln has no "
                     f"{ggml_type} quantizer identical to llama.cpp's (it has "
-                    f"{', '.join(sorted(GGUF_QUANTIZERS))})",
+                    f"{', '.join(sorted(ENCODABLE))})",
                     hint="send a GGUF quantized by llama.cpp (POST /update_weights_from_disk), or serve an "
                     "artifact compiled with --quantization int8, int4 or none",
                 )
-            blocks[name] = quantize_blocks(weight, ggml_type)
+            blocks[name] = EncodedTensor(ggml_type, float32(weight))
         return blocks
 
     def _executable(
@@ -223,11 +222,3 @@ class Refitter:
             return rank0
         assert isinstance(self.served, TensorParallelExecutable)
         return StagedRanks(self.served, rank0, stored[1:])
-
-
-def quantize_blocks(weight: Weight, ggml_type: str) -> QuantizedTensor:
-    """A float weight [rows, k] as GGUF blocks of `ggml_type`, quantized by gguf-py (llama.cpp's)."""
-    values = materialize(float32(weight)).detach().contiguous()
-    rows = values.reshape(values.shape[0], -1).numpy()
-    quantized = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[ggml_type])
-    return QuantizedTensor(ggml_type, tuple(values.shape), np.ascontiguousarray(quantized, dtype=np.uint8))

@@ -40,6 +40,11 @@ class _Cursor:
         length = self.u64()
         self.at += length
 
+    def string(self) -> str:
+        length = self.u64()
+        self.at += length
+        return bytes(self.data[self.at - length : self.at]).decode("utf-8", errors="replace")
+
     def skip_value(self, value_type: int) -> None:
         if value_type == _STRING:
             self.skip_string()
@@ -60,6 +65,8 @@ class _Cursor:
 class TensorEntry:
     ggml_type: str  # F32, Q4_K, ...
     num_elements: int
+    name: str = ""  # llama.cpp's ("blk.0.attn_q.weight")
+    shape: tuple[int, ...] = ()  # in torch order (the file's dimensions reversed)
 
     @property
     def num_bytes(self) -> int:
@@ -81,7 +88,7 @@ def bytes_by_type(path: Path) -> dict[str, int]:
 
 
 def gguf_tensors(path: Path) -> list[TensorEntry]:
-    """Every tensor's type and element count in the GGUF file `path`, in file order."""
+    """Every tensor's type, element count, name and shape in the GGUF file `path`, in file order."""
     try:
         with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             cursor = _Cursor(data)
@@ -94,10 +101,10 @@ def gguf_tensors(path: Path) -> list[TensorEntry]:
                 cursor.skip_value(cursor.u32())
             entries = []
             for _ in range(num_tensors):
-                cursor.skip_string()
+                name = cursor.string()
                 shape = [cursor.u64() for _ in range(cursor.u32())]
                 ggml_type = gguf.GGMLQuantizationType(cursor.u32()).name
-                entries.append(TensorEntry(ggml_type, math.prod(shape)))
+                entries.append(TensorEntry(ggml_type, math.prod(shape), name, tuple(reversed(shape))))
                 cursor.at += 8  # the data offset
             return entries
     except (OSError, ValueError, struct.error) as error:

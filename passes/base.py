@@ -13,10 +13,18 @@ if TYPE_CHECKING:
     from kiln.ir.gguf_blocks import QuantizedTensor
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
+# llama.cpp's quantization mixes from float weights: blocks as llama-quantize writes them (passes/quantize/
+# gguf_mix.py, gguf_encode.py), then imported as a GGUF's own blocks are (the "gguf" quantization)
+GGUF_MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
 DTYPES = ("f32", "f16", "bf16")
 # --kv-cache-dtype → the cache input's IR dtype (None, beside these: the model's float dtype)
 KV_CACHE_STORAGE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "fp8_e4m3": "f8e4m3"}
 KV_CACHE_DTYPES = tuple(KV_CACHE_STORAGE)
+
+
+def pass_quantization(quantization: str | None) -> str | None:
+    """The passes' quantization for a compile's: a llama.cpp mix is the gguf import of the blocks it makes."""
+    return "gguf" if quantization in GGUF_MIXES else quantization
 
 
 class PassError(KilnError):

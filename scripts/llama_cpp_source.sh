@@ -6,7 +6,8 @@
 #
 # DEST defaults to $KILN_HOME/llama.cpp-source (KILN_HOME defaults to ~/.cache/kiln). --python-only
 # unpacks just what converting needs (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/, gguf-py/:
-# a few MB of the 217),
+# a few MB of the 217) and ggml's reference quantizers (ggml-quants.c and its headers: the tests compile them
+# to check kiln's GGUF block encoder against),
 # as `make test` does for the loader checks against llama.cpp's own GGUF files; scripts/build_llama_cpp.sh
 # unpacks all of it to build the tools. A rerun reuses what is there.
 set -euo pipefail
@@ -27,9 +28,11 @@ echo "$sha256  $archive" | sha256sum --check --quiet - || {
   exit 1
 }
 if [ "$part" = --python-only ]; then
-  if [ ! -f "$source_dir/convert_lora_to_gguf.py" ]; then
-    members=("$top/vendor/llama.cpp/convert_hf_to_gguf.py" "$top/vendor/llama.cpp/convert_lora_to_gguf.py"
-      "$top/vendor/llama.cpp/conversion" "$top/vendor/llama.cpp/gguf-py")
+  if [ ! -f "$source_dir/convert_lora_to_gguf.py" ] || [ ! -f "$source_dir/ggml/src/ggml-quants.c" ]; then
+    vendor="$top/vendor/llama.cpp"
+    members=("$vendor/convert_hf_to_gguf.py" "$vendor/convert_lora_to_gguf.py" "$vendor/conversion"
+      "$vendor/gguf-py" "$vendor/ggml/include" "$vendor/ggml/src/ggml-quants.c" "$vendor/ggml/src/ggml-quants.h"
+      "$vendor/ggml/src/ggml-common.h" "$vendor/ggml/src/ggml-impl.h" "$vendor/ggml/src/ggml-cpu/ggml-cpu-impl.h")
     tar -xzf "$archive" -C "$dest" "${members[@]}"
   fi
 elif [ ! -f "$source_dir/CMakeLists.txt" ]; then

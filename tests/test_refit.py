@@ -1,7 +1,8 @@
 """New weights through an artifact's own pipeline (compiler/refit.py): float (reference: transformers'
 logits), int8 on TVM (the same bytes a compile of those weights gives), GGUF blocks (floats quantized by
-gguf-py as llama.cpp's converter does; a K-quant refused, named), and the weights refused by name,
-shape or completeness."""
+llama.cpp's reference quantizers as llama-quantize does; a type kiln cannot quantize refused, named; a
+llama.cpp mix of a HF checkpoint, K-quants included), and the weights refused by name, shape or
+completeness."""
 
 from __future__ import annotations
 
@@ -134,11 +135,24 @@ def test_gguf_blocks_take_floats_as_llama_cpp_quantizes_them(tmp_path: Path, lla
     assert np.array_equal(last_logits(refitter.from_tensors(floats)), last_logits(artifact.executable))
     assert np.array_equal(last_logits(refitter.from_path(str(gguf_path))), last_logits(artifact.executable))
     name = next(iter(refitter.gguf_types))
-    refitter.gguf_types = {**refitter.gguf_types, name: "Q4_K"}
-    with pytest.raises(WeightUpdateError, match=f"{name}: the artifact keeps it as Q4_K blocks"):
+    refitter.gguf_types = {**refitter.gguf_types, name: "Q3_K"}
+    with pytest.raises(WeightUpdateError, match=f"{name}: the artifact keeps it as Q3_K blocks"):
         refitter.from_tensors(floats)
-    with pytest.raises(WeightUpdateError, match=f"{name}: Q8_0 blocks, the artifact's are Q4_K"):
+    with pytest.raises(WeightUpdateError, match=f"{name}: Q8_0 blocks, the artifact's are Q3_K"):
         refitter.from_path(str(gguf_path))
+
+
+def test_a_q4_k_m_artifact_of_a_hf_checkpoint_takes_float_weights(tmp_path: Path) -> None:
+    hf = tmp_path / "llama"
+    model = save_tiny_hf("llama", hf, {"hidden_size": 256, "intermediate_size": 512})
+    artifact = compiled(hf, tmp_path / "a", backend="reference", quantization="q4_k_m")
+    refitter = Refitter(artifact)
+    assert set(refitter.gguf_types.values()) == {"Q4_K", "Q6_K"}
+    tensors = nudged(model, 4)
+    program = optimize(refitter.config, tensors, refitter.options).program  # a compile of the new weights
+    refitted = last_logits(refitter.from_tensors(tensors))
+    assert np.array_equal(refitted, last_logits(ReferenceExecutable(program.graph, program.weights)))
+    assert not np.array_equal(refitted, last_logits(artifact.executable))
 
 
 def test_tensor_parallel_ranks_each_take_their_shard_or_none_does(tiny, tmp_path: Path) -> None:

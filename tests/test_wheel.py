@@ -16,7 +16,11 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parent.parent
 # The package data that code reads at run time from beside its modules.
-DATA = ("kiln/backends/tvm/cudastub/stub.c", "kiln/tuning_logs/README.md")
+DATA = (
+    "kiln/backends/tvm/cudastub/stub.c",
+    "kiln/passes/quantize/kquant_encode.c",
+    "kiln/tuning_logs/README.md",
+)
 
 _CHECK_AND_RUN = """
 import json, sys

@@ -5,12 +5,14 @@ and a quantized router's noise would swap experts for a small saving (E x hidden
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.ir import Node, Program, Value, ValueKind
 from kiln.ir.deferred import Deferred, Weight, reshaped
 from kiln.ir.ops.moe import PROJECTIONS
 from kiln.passes.base import Pass, PassError, PassOptions
+from kiln.passes.quantize.gguf_encode import row_bytes
 from kiln.passes.quantize.quantizers import (
     QuantizedWeight,
     deferred_quantized,
@@ -56,7 +58,8 @@ def _quantized_weight(name: str, tensor: Weight, options: PassOptions) -> Quanti
     blocks = options.gguf_blocks.get(name)
     if blocks is None:
         return None  # stored as float in the GGUF: it stays float
-    probe = import_gguf(blocks.ggml_type, blocks.rows(0, 1).read(), (1, k), name)
+    empty_row = np.zeros((1, row_bytes(blocks.ggml_type, k)), dtype=np.uint8)  # the layout, without a read
+    probe = import_gguf(blocks.ggml_type, empty_row, (1, k), name)
     return deferred_quantized(
         lambda: import_gguf(blocks.ggml_type, blocks.read(), (rows, k), name), probe, rows
     )
@@ -113,6 +116,24 @@ def _embeds_quantized(node: Node, options: PassOptions) -> bool:
         and table.kind is ValueKind.PARAM
         and table.name in options.gguf_blocks
     )
+
+
+def quantizable_weights(program: Program) -> set[str]:
+    """The weights the gguf import would take from `program`: linears' (routers stay float), stacked
+    experts' and embedding tables' (the LM head is a linear, or the tied table)."""
+    routers = _routers(program)
+    names = set()
+    for node in program.graph.nodes:
+        if node.op == "linear" and node.outputs[0].name not in routers:
+            weights = [node.inputs[1]]
+        elif node.op == "moe":
+            weights = list(node.inputs[2:5])
+        elif node.op == "embedding":
+            weights = [node.inputs[0]]
+        else:
+            continue
+        names |= {w.name for w in weights if w is not None and w.kind is ValueKind.PARAM}
+    return names
 
 
 class _QuantizedParams:
