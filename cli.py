@@ -368,6 +368,14 @@ def _inspect(args: argparse.Namespace) -> int:
             f"matmul FLOPs, {name}: {per_token:,} per decode token at context {args.plan_tokens}; "
             f"{prefill:,} for a {args.plan_tokens}-token prefill"
         )
+    if args.weights:
+        from kiln.compiler.weight_formats import artifact_rows, checkpoint_rows, table
+
+        stored, held = checkpoint_rows(built), artifact_rows(built)
+        print(f"model file tensors ({len(stored)}): name, shape, how the file stores it")
+        print(table(stored))
+        print(f"artifact tensors ({len(held)}): name, shape, how the artifact holds it")
+        print(table(held))
     return 0
 
 
@@ -451,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a model or an artifact; --ir prints the IR")
     inspect.add_argument("model")
     inspect.add_argument("--ir", action="store_true", help="print the IR after the pipeline")
+    inspect.add_argument(
+        "--weights",
+        action="store_true",
+        help="list every tensor: how the model file stores it, and how the artifact would hold it",
+    )
     add_arguments(inspect, "inspect")
     inspect.add_argument("--plan-tokens", type=int, default=512, help="prefill size for the memory plan")
     inspect.set_defaults(run=_inspect, backend="reference", opt_level=0, quantization="none")

@@ -138,7 +138,7 @@ def dequantized_weights(
             if part not in AUXILIARY and part != "weight_packed"
         }
         result.update({f"{module}.{part}": tensor for part, tensor in rest.items() if part != "weight"})
-        result[f"{module}.weight"] = _dequantized(parts, fmt, f"{where}: {module}")
+        result[f"{module}.weight"] = _dequantized(parts, fmt, f"{where}: {module}", quantization.method)
     return result
 
 
@@ -281,7 +281,7 @@ def _fine_grained_fp8(raw: Mapping[str, Any], where: Path) -> CheckpointQuantiza
 # -- dequantization -------------------------------------------------------------------------------------
 
 
-def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str) -> Deferred:
+def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str, method: str) -> Deferred:
     def need(part: str) -> Weight:
         if part not in parts:
             raise ModelLoadError(
@@ -309,7 +309,7 @@ def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str) -> 
             need("weight_zero_point")
         order = parts.get("weight_g_idx")
         make = lambda: _int_values(stored, scale, zero, order, shape, fmt, where)  # noqa: E731
-    return Deferred(shape, torch.float32, make)
+    return Deferred(shape, torch.float32, make, f"{method}: {fmt.describe()}")
 
 
 def _float8_values(stored: Weight, scale: Weight, fmt: WeightFormat, where: str) -> torch.Tensor:

@@ -16,16 +16,20 @@ import torch
 
 
 class Deferred:
-    """A tensor of `shape` and `dtype` whose values `make()` computes on demand."""
+    """A tensor of `shape` and `dtype` whose values `make()` computes on demand; `origin`: how the model
+    file stores what it is made of, where that is not a float tensor ("compressed-tensors int4, ...")."""
 
-    __slots__ = ("_make", "dtype", "shape")
+    __slots__ = ("_make", "dtype", "origin", "shape")
     is_meta = False
     device = torch.device("cpu")
 
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, make: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self, shape: Sequence[int], dtype: torch.dtype, make: Callable[[], torch.Tensor], origin: str = ""
+    ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self._make = make
+        self.origin = origin
 
     def materialize(self) -> torch.Tensor:
         tensor = self._make()
@@ -48,7 +52,7 @@ class Deferred:
     def to(self, dtype: torch.dtype) -> Deferred:
         if dtype == self.dtype:
             return self
-        return Deferred(self.shape, dtype, lambda: self.materialize().to(dtype))
+        return Deferred(self.shape, dtype, lambda: self.materialize().to(dtype), self.origin)
 
     def then(
         self, shape: Sequence[int], dtype: torch.dtype, change: Callable[[torch.Tensor], torch.Tensor]
