@@ -9,6 +9,10 @@ bit and dequantizing our layout gives exactly `gguf.quants.dequantize`:
     scale    the block with every q set to 1 (the min term zeroed where there is one)
     min      the block with every q set to 0 (= -dmin * m)
 
+For Q4_K, Q5_K and Q6_K the scale and min probes are computed per group from the block header with
+gguf's own operations (`_group_floats`: the same float32 products, bit for bit), not by dequantizing
+every value of two probe copies.
+
 Q5_0 and Q5_1 have one group a block, whose f16 `d` (and `m`) are the scale and min as they are.
 
 | type | IR layout (bits, group, scheme)           | q range  |
@@ -170,6 +174,25 @@ def _dequantized(blocks: np.ndarray, ggml_type: str) -> np.ndarray:
     return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[ggml_type])
 
 
+def _group_floats(ggml_type: str, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """What the scale and min probes give, computed per group with gguf's own operations instead of
+    dequantizing every value of two probe copies: Q4_K and Q5_K decode `d * sc * q - dmin * m`, so a
+    probe of q = 1 and dmin = 0 gives d * sc, and one of q = 0 gives (d * sc) * 0 - dmin * m; Q6_K decodes
+    d * sc * q. None for the other types (their probes are dequantized)."""
+    import gguf
+
+    if ggml_type in ("Q4_K", "Q5_K"):
+        d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(flat[:, 4:16])
+        scale = d * sc.astype(np.float32)
+        return scale, scale * np.float32(0) - dmin * m.astype(np.float32)
+    if ggml_type == "Q6_K":
+        d = flat[:, 208:210].copy().view(np.float16).astype(np.float32)
+        return d * flat[:, 192:208].copy().view(np.int8).astype(np.float32), None
+    return None
+
+
 def import_kquant(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) -> ImportedBlocks:
     """`blocks` (uint8, one row of blocks per output row) of a type in KQUANTS, as grouped values."""
     kind = KQUANTS[ggml_type]
@@ -186,7 +209,11 @@ def import_kquant(ggml_type: str, blocks: np.ndarray, shape: tuple[int, int]) ->
         return torch.from_numpy(values.reshape(rows, groups))
 
     q = _dequantized(_filled(flat, kind.unit), ggml_type).reshape(rows, k)
-    if kind.block_floats:
+    floats = _group_floats(ggml_type, flat)
+    if floats is not None:
+        scales = torch.from_numpy(floats[0].reshape(rows, groups))
+        mins = None if floats[1] is None else torch.from_numpy(floats[1].reshape(rows, groups))
+    elif kind.block_floats:
         scales = block_float(kind.block_floats[0])
         mins = block_float(kind.block_floats[1]) if kind.scheme == "min" else None
     else:

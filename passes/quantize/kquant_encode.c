@@ -1,7 +1,9 @@
 /* llama.cpp's K-quant blocks (Q4_K, Q5_K, Q6_K) from float32 rows, as its reference quantizers make them
  * without an importance matrix (the blocks `llama-quantize` writes): the same search for each group's
- * scale and min, the same float32 arithmetic in the same order. Built by gguf_encode.py with
- * -ffp-contract=off: a fused multiply-add would round differently from ggml's own build.
+ * scale and min, the same float32 arithmetic in the same order. The searches run LANES groups side by
+ * side (loops over lanes inside the loops over a group's values), which the compiler turns into vector
+ * code without changing any lane's result. Built by gguf_encode.py with -O3 -ffp-contract=off: a fused
+ * multiply-add would round differently from ggml's own build.
  *
  * Block layouts (little-endian halves):
  *   Q4_K 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit values
@@ -15,7 +17,8 @@
 #define VALUES 256
 #define TINY 1e-15f
 
-static int round_to_int(float value) { return (int)rintf(value); } /* halves to even, as ggml's */
+/* to the nearest integer, halves to even, as ggml's nearest_int (|value| < 2^22): the add rounds */
+static int round_to_int(float value) { return (int)((value + 12582912.f) - 12582912.f); }
 
 static int clamp(int value, int low, int high) { return value < low ? low : (value > high ? high : value); }
 
@@ -48,83 +51,102 @@ static void put_half(uint8_t *out, uint16_t half) {
     out[1] = (uint8_t)(half >> 8);
 }
 
-/* A group's scale and min (value ~ scale * q - min, q in 0..levels): weighted least squares over the grids
- * that map [min, max] onto levels + offset levels, offset = first_offset + 0.1 * step; the best-fitting
- * grid's q in `q`. Returns the scale; the min (as a positive offset) goes to `offset_out`. */
-static float fit_scale_and_min(const float *x, const float *weight, int levels, float first_offset, int steps,
-                               uint8_t *q, uint8_t *trial, float *offset_out) {
-    const int n = 32;
-    float low = x[0], high = x[0];
-    float sum_w = weight[0];
-    float sum_x = sum_w * x[0];
-    for (int i = 1; i < n; ++i) {
-        if (x[i] < low) low = x[i];
-        if (x[i] > high) high = x[i];
-        sum_w += weight[i];
-        sum_x += weight[i] * x[i];
+#define LANES 16 /* groups fitted together: the loops over lanes are independent, so they may run as vectors */
+
+/* Each lane's group of 32: its scale and min (value ~ scale * q - min, q in 0..levels) by weighted least
+ * squares over the grids that map [min, max] onto levels + offset levels, offset = first_offset + 0.1 *
+ * step; the best grid's q. Every lane's float32 operations are the ones of its group fitted alone, in the
+ * same order (lanes only run side by side). */
+static void fit_scale_and_min(const float x[32][LANES], const float weight[32][LANES], int levels,
+                              float first_offset, int steps, uint8_t q[32][LANES], float scale_out[LANES],
+                              float offset_out[LANES]) {
+    float low[LANES], high[LANES], first_low[LANES], sum_w[LANES], sum_x[LANES], scale[LANES], best[LANES];
+    float inverse[LANES], sum_l[LANES], sum_l2[LANES], sum_xl[LANES], this_scale[LANES], this_low[LANES];
+    float error[LANES];
+    int better[LANES];
+    uint8_t trial[32][LANES];
+    for (int l = 0; l < LANES; ++l) {
+        low[l] = high[l] = x[0][l];
+        sum_w[l] = weight[0][l];
+        sum_x[l] = sum_w[l] * x[0][l];
     }
-    if (low > 0) low = 0;
-    if (high == low) {
-        memset(q, 0, (size_t)n);
-        *offset_out = -low;
-        return 0.f;
+    for (int i = 1; i < 32; ++i) {
+        for (int l = 0; l < LANES; ++l) {
+            low[l] = x[i][l] < low[l] ? x[i][l] : low[l];
+            high[l] = x[i][l] > high[l] ? x[i][l] : high[l];
+            sum_w[l] += weight[i][l];
+            sum_x[l] += weight[i][l] * x[i][l];
+        }
     }
-    float inverse = levels / (high - low);
-    float scale = 1 / inverse;
-    float best_error = 0;
-    for (int i = 0; i < n; ++i) {
-        q[i] = (uint8_t)clamp(round_to_int(inverse * (x[i] - low)), 0, levels);
-        float diff = scale * q[i] + low - x[i];
-        best_error += weight[i] * (diff * diff);
+    for (int l = 0; l < LANES; ++l) {
+        low[l] = low[l] > 0 ? 0 : low[l];
+        first_low[l] = low[l];
+        inverse[l] = levels / (high[l] - low[l]);
+        scale[l] = 1 / inverse[l];
+        best[l] = 0;
+    }
+    for (int i = 0; i < 32; ++i) {
+        for (int l = 0; l < LANES; ++l) {
+            int level = clamp(round_to_int(inverse[l] * (x[i][l] - low[l])), 0, levels);
+            q[i][l] = (uint8_t)level;
+            float diff = scale[l] * level + low[l] - x[i][l];
+            best[l] += weight[i][l] * (diff * diff);
+        }
     }
     for (int step = 0; step <= steps; ++step) {
-        inverse = (first_offset + 0.1f * step + levels) / (high - low);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-        for (int i = 0; i < n; ++i) {
-            int level = clamp(round_to_int(inverse * (x[i] - low)), 0, levels);
-            trial[i] = (uint8_t)level;
-            float weighted = weight[i] * level;
-            sum_l += weighted;
-            sum_l2 += weighted * level;
-            sum_xl += weighted * x[i];
+        for (int l = 0; l < LANES; ++l) {
+            inverse[l] = (first_offset + 0.1f * step + levels) / (high[l] - low[l]);
+            sum_l[l] = sum_l2[l] = sum_xl[l] = error[l] = 0;
         }
-        float determinant = sum_w * sum_l2 - sum_l * sum_l;
-        if (!(determinant > 0)) continue;
-        float this_scale = (sum_w * sum_xl - sum_x * sum_l) / determinant;
-        float this_low = (sum_l2 * sum_x - sum_l * sum_xl) / determinant;
-        if (this_low > 0) {
-            this_low = 0;
-            this_scale = sum_xl / sum_l2;
+        for (int i = 0; i < 32; ++i) {
+            for (int l = 0; l < LANES; ++l) {
+                int level = clamp(round_to_int(inverse[l] * (x[i][l] - low[l])), 0, levels);
+                trial[i][l] = (uint8_t)level;
+                float weighted = weight[i][l] * level;
+                sum_l[l] += weighted;
+                sum_l2[l] += weighted * level;
+                sum_xl[l] += weighted * x[i][l];
+            }
         }
-        float error = 0;
-        for (int i = 0; i < n; ++i) {
-            float diff = this_scale * trial[i] + this_low - x[i];
-            error += weight[i] * (diff * diff);
+        for (int l = 0; l < LANES; ++l) {
+            float determinant = sum_w[l] * sum_l2[l] - sum_l[l] * sum_l[l];
+            better[l] = determinant > 0; /* else this grid is skipped */
+            float fitted_scale = (sum_w[l] * sum_xl[l] - sum_x[l] * sum_l[l]) / determinant;
+            float fitted_low = (sum_l2[l] * sum_x[l] - sum_l[l] * sum_xl[l]) / determinant;
+            this_low[l] = fitted_low > 0 ? 0 : fitted_low;
+            this_scale[l] = fitted_low > 0 ? sum_xl[l] / sum_l2[l] : fitted_scale;
         }
-        if (error < best_error) {
-            memcpy(q, trial, (size_t)n);
-            best_error = error;
-            scale = this_scale;
-            low = this_low;
+        for (int i = 0; i < 32; ++i) {
+            for (int l = 0; l < LANES; ++l) {
+                float diff = this_scale[l] * trial[i][l] + this_low[l] - x[i][l];
+                error[l] += weight[i][l] * (diff * diff);
+            }
+        }
+        for (int l = 0; l < LANES; ++l) {
+            better[l] = better[l] && error[l] < best[l];
+            best[l] = better[l] ? error[l] : best[l];
+            scale[l] = better[l] ? this_scale[l] : scale[l];
+            low[l] = better[l] ? this_low[l] : low[l];
+        }
+        for (int i = 0; i < 32; ++i) {
+            for (int l = 0; l < LANES; ++l) q[i][l] = better[l] ? trial[i][l] : q[i][l];
         }
     }
-    *offset_out = -low;
-    return scale;
+    for (int l = 0; l < LANES; ++l) {
+        int flat = high[l] == first_low[l]; /* one value (or all at most 0 and equal): q 0, scale 0 */
+        scale_out[l] = flat ? 0.f : scale[l];
+        offset_out[l] = flat ? -first_low[l] : -low[l];
+        for (int i = 0; i < 32; ++i) q[i][l] = flat ? 0 : q[i][l];
+    }
 }
 
-/* One super-block of Q4_K (levels 15) or Q5_K (levels 31): its q (0..levels) in `q`, d, dmin and the
- * packed 6-bit scales and mins in `head` (4 + 12 bytes). */
-static void scale_min_block(const float *x, int levels, float first_offset, int steps, uint8_t *q, uint8_t *head) {
-    float scales[8], offsets[8], weight[32];
-    uint8_t trial[32], scale_levels[8], offset_levels[8];
+/* Super-block `x` of Q4_K (levels 15) or Q5_K (levels 31) from its 8 groups' fitted scales and offsets:
+ * its q (0..levels) in `q`, d, dmin and the packed 6-bit scales and mins in `head` (4 + 12 bytes). */
+static void finish_block(const float *x, int levels, const float *scales, const float *offsets, uint8_t *q,
+                         uint8_t *head) {
+    uint8_t scale_levels[8], offset_levels[8];
     float max_scale = 0, max_offset = 0;
     for (int j = 0; j < 8; ++j) {
-        const float *group = x + 32 * j;
-        float sum_x2 = 0;
-        for (int i = 0; i < 32; ++i) sum_x2 += group[i] * group[i];
-        float mean = sqrtf(sum_x2 / 32);
-        for (int i = 0; i < 32; ++i) weight[i] = mean + fabsf(group[i]);
-        scales[j] = fit_scale_and_min(group, weight, levels, first_offset, steps, q + 32 * j, trial, &offsets[j]);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (offsets[j] > max_offset) max_offset = offsets[j];
     }
@@ -156,90 +178,149 @@ static void scale_min_block(const float *x, int levels, float first_offset, int 
     }
 }
 
-void encode_q4_k(const float *x, uint8_t *out, int64_t blocks) {
-    uint8_t q[VALUES];
-    for (int64_t b = 0; b < blocks; ++b, x += VALUES, out += 144) {
-        scale_min_block(x, 15, -1.f, 20, q, out);
-        uint8_t *nibbles = out + 16;
-        for (int chunk = 0; chunk < 4; ++chunk) {
+/* Q4_K or Q5_K blocks, two super-blocks (16 groups) fitted at once; `pack` writes a block's values. */
+static void scale_min_blocks(const float *x, uint8_t *out, int64_t blocks, int levels, float first_offset,
+                             int steps, int block_bytes, void (*pack)(const uint8_t *q, uint8_t *block)) {
+    static const int per_round = LANES / 8;
+    float values[32][LANES], weight[32][LANES], scales[LANES], offsets[LANES];
+    uint8_t fitted[32][LANES], q[VALUES];
+    for (int64_t b = 0; b < blocks; b += per_round) {
+        int count = blocks - b < per_round ? (int)(blocks - b) : per_round;
+        for (int g = 0; g < LANES; ++g) {
+            const float *group = x + VALUES * b + 32 * g;
+            if (g >= 8 * count) { /* past the last block: a zero group, fitted and dropped */
+                for (int i = 0; i < 32; ++i) values[i][g] = weight[i][g] = 0;
+                continue;
+            }
+            float sum_x2 = 0;
+            for (int i = 0; i < 32; ++i) sum_x2 += group[i] * group[i];
+            float mean = sqrtf(sum_x2 / 32);
             for (int i = 0; i < 32; ++i) {
-                nibbles[32 * chunk + i] = (uint8_t)(q[64 * chunk + i] | (q[64 * chunk + 32 + i] << 4));
+                values[i][g] = group[i];
+                weight[i][g] = mean + fabsf(group[i]);
             }
         }
+        fit_scale_and_min(values, weight, levels, first_offset, steps, fitted, scales, offsets);
+        for (int k = 0; k < count; ++k) {
+            for (int g = 0; g < 8; ++g) {
+                for (int i = 0; i < 32; ++i) q[32 * g + i] = fitted[i][8 * k + g];
+            }
+            uint8_t *block = out + (b + k) * block_bytes;
+            finish_block(x + VALUES * (b + k), levels, scales + 8 * k, offsets + 8 * k, q, block);
+            pack(q, block);
+        }
     }
+}
+
+static void pack_q4_k(const uint8_t *q, uint8_t *block) {
+    uint8_t *nibbles = block + 16;
+    for (int chunk = 0; chunk < 4; ++chunk) {
+        for (int i = 0; i < 32; ++i) {
+            nibbles[32 * chunk + i] = (uint8_t)(q[64 * chunk + i] | (q[64 * chunk + 32 + i] << 4));
+        }
+    }
+}
+
+static void pack_q5_k(const uint8_t *q, uint8_t *block) {
+    uint8_t *fifth_bits = block + 16, *nibbles = block + 48;
+    memset(fifth_bits, 0, 32);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+        for (int i = 0; i < 32; ++i) {
+            uint8_t first = q[64 * chunk + i], second = q[64 * chunk + 32 + i];
+            fifth_bits[i] |= (uint8_t)(((first >> 4) << (2 * chunk)) | ((second >> 4) << (2 * chunk + 1)));
+            nibbles[32 * chunk + i] = (uint8_t)((first & 0xf) | ((second & 0xf) << 4));
+        }
+    }
+}
+
+void encode_q4_k(const float *x, uint8_t *out, int64_t blocks) {
+    scale_min_blocks(x, out, blocks, 15, -1.f, 20, 144, pack_q4_k);
 }
 
 void encode_q5_k(const float *x, uint8_t *out, int64_t blocks) {
-    uint8_t q[VALUES];
-    for (int64_t b = 0; b < blocks; ++b, x += VALUES, out += 176) {
-        scale_min_block(x, 31, -0.5f, 15, q, out);
-        uint8_t *fifth_bits = out + 16, *nibbles = out + 48;
-        memset(fifth_bits, 0, 32);
-        for (int chunk = 0; chunk < 4; ++chunk) {
-            for (int i = 0; i < 32; ++i) {
-                uint8_t first = q[64 * chunk + i], second = q[64 * chunk + 32 + i];
-                fifth_bits[i] |= (uint8_t)(((first >> 4) << (2 * chunk)) | ((second >> 4) << (2 * chunk + 1)));
-                nibbles[32 * chunk + i] = (uint8_t)((first & 0xf) | ((second & 0xf) << 4));
-            }
-        }
-    }
+    scale_min_blocks(x, out, blocks, 31, -0.5f, 15, 176, pack_q5_k);
 }
 
-/* A group of 16 for Q6_K: the scale whose grid (q in -32..31) fits best by x^2-weighted least squares,
- * among the grid through the largest magnitude and 18 grids around it; q + 32 in `q`. */
-static float fit_symmetric(const float *x, int8_t *q) {
-    const int n = 16, levels = 32;
-    float extreme = 0, largest = 0;
-    for (int i = 0; i < n; ++i) {
-        float magnitude = fabsf(x[i]);
-        if (magnitude > largest) {
-            largest = magnitude;
-            extreme = x[i];
+/* Each lane's group of 16 for Q6_K: the scale whose grid (q in -32..31) fits best by x^2-weighted least
+ * squares, among the grid through the largest magnitude and 18 grids around it; q + 32 in `q` (0 for a
+ * group of zeros). Lane by lane the operations of one group alone, in the same order. */
+static void fit_symmetric(const float x[16][LANES], int8_t q[16][LANES], float scale_out[LANES]) {
+    const int levels = 32;
+    float extreme[LANES], largest[LANES], inverse[LANES], sum_lx[LANES], sum_l2[LANES], scale[LANES];
+    float best[LANES];
+    int better[LANES];
+    int8_t trial[16][LANES];
+    for (int l = 0; l < LANES; ++l) extreme[l] = largest[l] = 0;
+    for (int i = 0; i < 16; ++i) {
+        for (int l = 0; l < LANES; ++l) {
+            float magnitude = fabsf(x[i][l]);
+            int larger = magnitude > largest[l];
+            largest[l] = larger ? magnitude : largest[l];
+            extreme[l] = larger ? x[i][l] : extreme[l];
         }
     }
-    if (largest < TINY) {
-        memset(q, 0, (size_t)n);
-        return 0.f;
+    for (int l = 0; l < LANES; ++l) {
+        inverse[l] = -levels / extreme[l];
+        sum_lx[l] = sum_l2[l] = 0;
     }
-    float inverse = -levels / extreme;
-    float sum_lx = 0, sum_l2 = 0;
-    for (int i = 0; i < n; ++i) {
-        int level = clamp(round_to_int(inverse * x[i]), -levels, levels - 1);
-        q[i] = (int8_t)(level + levels);
-        float weight = x[i] * x[i];
-        sum_lx += weight * x[i] * level;
-        sum_l2 += weight * level * level;
+    for (int i = 0; i < 16; ++i) {
+        for (int l = 0; l < LANES; ++l) {
+            int level = clamp(round_to_int(inverse[l] * x[i][l]), -levels, levels - 1);
+            q[i][l] = (int8_t)(level + levels);
+            float weight = x[i][l] * x[i][l];
+            sum_lx[l] += weight * x[i][l] * level;
+            sum_l2[l] += weight * level * level;
+        }
     }
-    float scale = sum_l2 ? sum_lx / sum_l2 : 0.0f;
-    float best = scale * sum_lx;
+    for (int l = 0; l < LANES; ++l) {
+        scale[l] = sum_l2[l] != 0 ? sum_lx[l] / sum_l2[l] : 0.0f;
+        best[l] = scale[l] * sum_lx[l];
+    }
     for (int step = -9; step <= 9; ++step) {
         if (step == 0) continue;
-        inverse = -(levels + 0.1f * step) / extreme;
-        sum_lx = sum_l2 = 0;
-        for (int i = 0; i < n; ++i) {
-            int level = clamp(round_to_int(inverse * x[i]), -levels, levels - 1);
-            float weight = x[i] * x[i];
-            sum_lx += weight * x[i] * level;
-            sum_l2 += weight * level * level;
+        for (int l = 0; l < LANES; ++l) {
+            inverse[l] = -(levels + 0.1f * step) / extreme[l];
+            sum_lx[l] = sum_l2[l] = 0;
         }
-        if (sum_l2 > 0 && sum_lx * sum_lx > best * sum_l2) {
-            for (int i = 0; i < n; ++i) {
-                q[i] = (int8_t)(levels + clamp(round_to_int(inverse * x[i]), -levels, levels - 1));
+        for (int i = 0; i < 16; ++i) {
+            for (int l = 0; l < LANES; ++l) {
+                int level = clamp(round_to_int(inverse[l] * x[i][l]), -levels, levels - 1);
+                trial[i][l] = (int8_t)(level + levels);
+                float weight = x[i][l] * x[i][l];
+                sum_lx[l] += weight * x[i][l] * level;
+                sum_l2[l] += weight * level * level;
             }
-            scale = sum_lx / sum_l2;
-            best = scale * sum_lx;
+        }
+        for (int l = 0; l < LANES; ++l) {
+            better[l] = sum_l2[l] > 0 && sum_lx[l] * sum_lx[l] > best[l] * sum_l2[l];
+            float fitted = sum_lx[l] / sum_l2[l];
+            scale[l] = better[l] ? fitted : scale[l];
+            best[l] = better[l] ? fitted * sum_lx[l] : best[l];
+        }
+        for (int i = 0; i < 16; ++i) {
+            for (int l = 0; l < LANES; ++l) q[i][l] = better[l] ? trial[i][l] : q[i][l];
         }
     }
-    return scale;
+    for (int l = 0; l < LANES; ++l) {
+        int zero = largest[l] < TINY;
+        scale_out[l] = zero ? 0.f : scale[l];
+        for (int i = 0; i < 16; ++i) q[i][l] = zero ? 0 : q[i][l];
+    }
 }
 
 void encode_q6_k(const float *x, uint8_t *out, int64_t blocks) {
-    int8_t q[VALUES];
-    float scales[16];
+    int8_t q[VALUES], fitted[16][LANES];
+    float scales[16], groups[16][LANES];
     for (int64_t b = 0; b < blocks; ++b, x += VALUES, out += 210) {
+        for (int g = 0; g < 16; ++g) {
+            for (int i = 0; i < 16; ++i) groups[i][g] = x[16 * g + i];
+        }
+        fit_symmetric(groups, fitted, scales);
+        for (int g = 0; g < 16; ++g) {
+            for (int i = 0; i < 16; ++i) q[16 * g + i] = fitted[i][g];
+        }
         float max_scale = 0, max_magnitude = 0;
         for (int g = 0; g < 16; ++g) {
-            scales[g] = fit_symmetric(x + 16 * g, q + 16 * g);
             float magnitude = fabsf(scales[g]);
             if (magnitude > max_magnitude) {
                 max_magnitude = magnitude;
