@@ -111,17 +111,16 @@ def optimize(
     if options.context_len is not None and options.context_len < config.max_position_embeddings:
         config = dataclasses.replace(config, max_position_embeddings=options.context_len)
     captured = capture_weights(config, weights)
+    whole_program = Program(captured.graph, captured.weights)
     options_for_passes = pass_options(options, source)
     if gguf is not None:
         options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=gguf)
     elif options.quantization in GGUF_MIXES:
-        encoded = encoded_blocks(
-            Program(captured.graph, captured.weights), options.quantization, mix_model(config)
-        )
+        encoded = encoded_blocks(whole_program, options.quantization, mix_model(config))
         options_for_passes = dataclasses.replace(options_for_passes, gguf_blocks=encoded)
     gguf_types = {name: blocks.ggml_type for name, blocks in sorted(options_for_passes.gguf_blocks.items())}
     captured_program, blocks = shard_with_blocks(
-        Program(captured.graph, captured.weights),
+        whole_program,
         options.tensor_parallel_size,
         options.rank,
         options_for_passes.gguf_blocks,
