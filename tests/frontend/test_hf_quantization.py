@@ -1,6 +1,7 @@
-"""Pre-quantized HF checkpoints (frontend/hf_quantization.py), made by compressed-tensors from tiny random
-models: Kiln's logits are the float model's holding the library's own dequantized values, and where
-transformers loads the format, its greedy tokens are transformers'. The formats Kiln does not load are
+"""Pre-quantized HF checkpoints (frontend/hf_quantization.py), made from tiny random models by
+compressed-tensors, auto-gptq (GPTQ) and AutoAWQ: Kiln's logits are the float model's holding the tool's
+own dequantized values, and where transformers loads the format on a CPU, its greedy tokens are
+transformers'. The formats Kiln does not load are
 refused by name before a weight is read."""
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import torch
 
 from kiln.backends.base import allocate_kv_cache
 from kiln.backends.reference import ReferenceExecutable
+from kiln.compiler import ModelOptions, compile_model, resolve
 from kiln.errors import ModelLoadError
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.hf_loader import load_hf_dir
 from kiln.ir.deferred import Deferred, materialize
 from kiln.ir.step import SequenceSlice, build_step_inputs
+from kiln.runtime.artifact import load_artifact
 from tests.frontend.checkpoints import (
     SCHEMES,
     quantization_config,
+    save_awq,
     save_compressed,
+    save_gptq,
     transformers_checkpoint,
     transformers_logits,
 )
@@ -32,6 +37,16 @@ PROMPT = [3, 17, 9, 120, 45, 2, 77, 200, 31, 8]
 # formats transformers 5 with compressed-tensors 0.20 loads and runs on a CPU (not its asymmetric pack,
 # static FP8, or FP8 blocks on a model narrower than the activation groups): compared with its own run
 TRANSFORMERS_RUNS = ("fp8_dynamic", "w4a16", "w8a16", "w4a16_channel", "w8a8_int")
+# GPTQ and AWQ checkpoints as auto-gptq and AutoAWQ write them (transformers runs neither on a CPU without
+# gptqmodel: the reference is the tool's own dequantizer), on Llama and Qwen2 (biased q/k/v) shapes
+PACKED: dict[str, Any] = {
+    "gptq_llama": lambda folder: save_gptq("llama", folder),
+    "gptq_qwen2_act_order_asym": lambda folder: save_gptq("qwen2", folder, desc_act=True, sym=False),
+    "gptq_llama_8bit_channel": lambda folder: save_gptq("llama", folder, bits=8, group_size=-1),
+    "gptq_v2_qwen2": lambda folder: save_gptq("qwen2", folder, checkpoint_format="gptq_v2"),
+    "awq_llama": lambda folder: save_awq("llama", folder),
+    "awq_qwen2": lambda folder: save_awq("qwen2", folder),
+}
 
 
 def kiln_logits(folder: Path) -> np.ndarray:
@@ -51,13 +66,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def make(scheme: str) -> tuple[Path, torch.nn.Module]:
         if scheme not in made:
             folder = tmp_path_factory.mktemp("quantized") / scheme
-            made[scheme] = folder, save_compressed("llama", scheme, folder)
+            saved = PACKED[scheme](folder) if scheme in PACKED else save_compressed("llama", scheme, folder)
+            made[scheme] = folder, saved
         return made[scheme]
 
     return make
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", [*SCHEMES, *PACKED])
 def test_logits_are_the_dequantized_models(scheme: str, checkpoints: Any) -> None:
     """The FP8 cases fail on a loader that casts the float8 weights and drops their scales (the old one:
     it served FP8_DYNAMIC's first token wrong)."""
@@ -105,10 +121,20 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         r"quantization 'bitsandbytes' \(4-bit nf4\) is not supported",
     ),
     (
-        {"quant_method": "gptq", "bits": 4, "group_size": 128},
-        r"quantization 'gptq' \(4-bit\) is not supported",
+        {"quant_method": "gptq", "bits": 3, "group_size": 128},
+        r"quantization 'gptq' \(3-bit\) is not supported",
     ),
-    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, r"quantization 'awq' \(4-bit\)"),
+    (
+        {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+        r"quantization 'gptq' in the 'marlin' format is not supported",
+    ),
+    (
+        {"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*mlp.*": {}}},
+        r"quantization 'gptq' with per-module overrides \(dynamic\)",
+    ),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"quantization 'awq' \(gemv\) is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "exllama"}, r"quantization 'awq' \(exllama\)"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "quantization 'awq' without zero points"),
     ({"quant_method": "hqq", "nbits": 4}, "quantization 'hqq'"),
     ({"quant_method": "mxfp4"}, "quantization 'mxfp4'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, r"quantization 'fp8' \(e5m2\)"),
@@ -160,11 +186,61 @@ def test_compressed_tensors_variants_kiln_does_not_load_are_refused(
         load_hf_dir(_with_config(folder, tmp_path, changed))
 
 
-def test_an_older_gptq_side_config_is_refused(checkpoints: Any, tmp_path: Path) -> None:
-    folder, _ = checkpoints("w4a16")
+@pytest.mark.parametrize(
+    ("scheme", "backend"), [("gptq_qwen2_act_order_asym", "tvm"), ("awq_llama", "onnxruntime")]
+)
+def test_compiled_artifacts_give_the_dequantized_models_logits(
+    scheme: str, backend: str, checkpoints: Any, tmp_path: Path
+) -> None:
+    """`kiln compile` of a GPTQ / AWQ folder on TVM for this CPU and ONNX Runtime (float32, a float32 KV
+    cache): the reference's logits within 1e-4 of the largest."""
+    folder, dequantized = checkpoints(scheme)
+    options = ModelOptions.create(str(folder), backend=backend, quantization="none", kv_cache_dtype="f32")
+    compile_model(resolve(options), tmp_path / "artifact")
+    executable = load_artifact(tmp_path / "artifact").executable
+    cache = allocate_kv_cache(executable, 2, 16)
+    step = build_step_inputs([SequenceSlice(PROMPT, 0, [1], logits_at=range(len(PROMPT)))], 16)
+    logits = executable.step(step, cache)
+    expected = transformers_logits(dequantized, PROMPT).numpy()
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+    assert (logits.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_gptq_and_awq_weights_stay_deferred_and_name_their_format(checkpoints: Any) -> None:
+    folder, _ = checkpoints("gptq_qwen2_act_order_asym")
+    weights = load_hf_dir(folder).weights
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, Deferred) and tuple(q.shape) == (64, 64)
+    assert q.origin == "gptq: GPTQ int4, group 32 scales, zero points"
+    assert weights["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float16  # stored as it was
+    assert not any(name.endswith(("qweight", "qzeros", "scales", "g_idx")) for name in weights)
+    folder, _ = checkpoints("awq_llama")
+    origin = load_hf_dir(folder).weights["model.layers.1.mlp.down_proj.weight"].origin
+    assert origin == "awq: AWQ gemm int4, group 32 scales, zero points"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "side_file", "side_config"),
+    [
+        ("gptq_llama", "quantize_config.json", {"bits": 4, "group_size": 32, "desc_act": False, "sym": True}),
+        (
+            "awq_llama",
+            "quant_config.json",
+            {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"},
+        ),
+    ],
+)
+def test_an_older_folders_side_config_loads(
+    scheme: str, side_file: str, side_config: dict[str, Any], checkpoints: Any, tmp_path: Path
+) -> None:
+    """Older auto-gptq and AutoAWQ folders hold the quantization beside config.json, not in it."""
+    folder, dequantized = checkpoints(scheme)
     changed = _with_config(folder, tmp_path, lambda c: c.pop("quantization_config"))
-    (changed / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
-    with pytest.raises(ModelLoadError, match=r"quantize_config\.json: quantization 'gptq'"):
+    (changed / side_file).write_text(json.dumps(side_config))
+    expected = transformers_logits(dequantized, PROMPT).numpy()
+    assert np.abs(kiln_logits(changed) - expected).max() / np.abs(expected).max() < 1e-5
+    (changed / side_file).write_text(json.dumps({**side_config, "bits": 3, "w_bit": 3}))
+    with pytest.raises(ModelLoadError, match=rf"{side_file}: quantization '\w+' \(3-bit\) is not supported"):
         load_hf_dir(changed)
 
 
@@ -217,10 +293,11 @@ def test_fine_grained_fp8_blocks_cut_at_the_edges(tmp_path: Path) -> None:
     assert np.abs(logits - reference).max() / np.abs(reference).max() < 1e-5
 
 
+@pytest.mark.parametrize("scheme", ["fp8_dynamic", "gptq_llama"])
 def test_quantized_tensors_without_a_quantization_config_are_refused(
-    checkpoints: Any, tmp_path: Path
+    scheme: str, checkpoints: Any, tmp_path: Path
 ) -> None:
-    folder, _ = checkpoints("fp8_dynamic")
+    folder, _ = checkpoints(scheme)
     changed = _with_config(folder, tmp_path, lambda c: c.pop("quantization_config"))
     with pytest.raises(ModelLoadError, match=r"no quantization_config, but .* is stored quantized"):
         load_hf_dir(changed)
