@@ -1,0 +1,3 @@
+from kiln.backends.tvm.kernels import script_macros
+
+script_macros.install()

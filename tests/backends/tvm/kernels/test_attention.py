@@ -5,6 +5,8 @@ whatever its tile holds (one row alone, a decode row, a long prefill run). The s
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -31,9 +33,11 @@ TOLERANCE = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "float8_e4m3fn"
 FP8 = "float8_e4m3fn"
 
 
+@functools.cache
 def _compile(
     heads: int, kv_heads: int, head_dim: int, window: int | None, cache_dtype: str, visible_ends: bool = False
 ):
+    """The kernel, compiled once a process: the tests below share 20 of their 60 kernels."""
     kernel = attention_kernel(
         heads, kv_heads, head_dim, SCALE, window, "float32", cache_dtype, visible_ends=visible_ends
     )
