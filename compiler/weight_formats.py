@@ -15,7 +15,8 @@ PARTS = (".qweight", ".scales", ".zeros")
 
 def _stored(weight: object) -> str:
     if isinstance(weight, QuantizedTensor):
-        return f"GGUF {weight.ggml_type} blocks"
+        blocks = f"GGUF {weight.ggml_type} blocks"
+        return f"{weight.origin}, kept as {blocks}" if weight.origin else blocks
     if isinstance(weight, Deferred) and weight.origin:
         return weight.origin
     return DTYPE_OF_TORCH.get(getattr(weight, "dtype", None), str(getattr(weight, "dtype", "?")))

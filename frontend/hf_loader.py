@@ -12,13 +12,13 @@ from kiln.errors import ModelLoadError
 from kiln.frontend import gemma3, idefics3, llava
 from kiln.frontend.config import BARE_DECODERS, ModelConfig, config_from_hf
 from kiln.frontend.hf_quantization import (
-    dequantized_weights,
+    checkpoint_weights,
     read_quantization,
     refuse_unlabelled_quantization,
 )
 from kiln.frontend.models import adapt_hf_weights
 from kiln.frontend.safetensors_file import mapped_tensors
-from kiln.frontend.source import ModelSource, Weight
+from kiln.frontend.source import ModelSource, QuantizedTensor, Weight
 from kiln.frontend.vision import with_images
 
 SINGLE_FILE = "model.safetensors"
@@ -185,9 +185,17 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def holds_blocks(path: Path) -> bool:
+    """Whether the checkpoint at `path` is pre-quantized in a format kept as GGUF blocks (headers only)."""
+    if read_quantization(_read_json(path / "config.json"), path) is None:
+        return False
+    return any(isinstance(weight, QuantizedTensor) for weight in read_weights(path).values())
+
+
 def read_weights(path: Path) -> dict[str, Weight]:
     """The checkpoint's tensors by name, mapped and deferred (read when materialized, one at a time); a
-    pre-quantized checkpoint's linears as their float values (frontend/hf_quantization.py). A
+    pre-quantized checkpoint's linears as GGUF blocks that hold them exactly, or as their float values
+    (frontend/hf_quantization.py). A
     quantization this runtime does not load is refused before any tensor is read."""
     quantization = (
         read_quantization(_read_json(path / "config.json"), path)
@@ -206,4 +214,4 @@ def read_weights(path: Path) -> dict[str, Weight]:
         refuse_unlabelled_quantization(weights, path / "config.json")
         return weights
     logger.info("%s: %s", path, quantization.description)
-    return dequantized_weights(weights, quantization, path / "config.json")
+    return checkpoint_weights(weights, quantization, path / "config.json")

@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
 from kiln.ir.deferred import Deferred, Weight, materialize
+from kiln.ir.gguf_blocks import QuantizedTensor
 
 HINT = "use the checkpoint's bf16/fp16 original or a GGUF of it"
 # the files that older GPTQ and AWQ tools write beside config.json instead of a quantization_config
@@ -51,6 +53,8 @@ AUXILIARY = (
     "weight_scale_inv",
 )
 PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # GPTQ's and AWQ's, instead of `weight`
+BLOCK = 32  # inputs a Q4_0 / Q8_0 block
+BLOCK_TYPES = {4: "Q4_0", 8: "Q8_0"}  # symmetric integers of these bits, kept as these GGUF blocks
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class WeightFormat:
     block: tuple[int, int] | None = None
     packed: bool = False  # int values packed into int32 words (compressed-tensors pack-quantized)
     layout: str = "compressed-tensors"  # or "gptq", "gptq_v2", "awq": the tool's own tensors and packing
+    ordered: bool = False  # GPTQ's desc_act: the inputs' groups follow g_idx, not their order
 
     def describe(self) -> str:
         size = {
@@ -126,15 +131,17 @@ def read_quantization(config: Mapping[str, Any], folder: Path) -> CheckpointQuan
     raise AssertionError  # unreachable: _refuse raises
 
 
-def dequantized_weights(
+def checkpoint_weights(
     weights: Mapping[str, Weight], quantization: CheckpointQuantization, where: Path
-) -> dict[str, Weight]:
-    """The checkpoint's tensors with each quantized linear's parts made one float32 `weight`."""
+) -> dict[str, Weight | QuantizedTensor]:
+    """The checkpoint's tensors with each quantized linear's parts made one `weight`: GGUF blocks that
+    hold its values exactly where there are such (symmetric 4- and 8-bit integers in runs of 32 inputs
+    under one float16 or bfloat16 scale: Q4_0, Q8_0), else its float32 values."""
     modules: dict[str, dict[str, Weight]] = {}
     for name, tensor in weights.items():
         module, _, part = name.rpartition(".")
         modules.setdefault(module, {})[part] = tensor
-    result: dict[str, Weight] = {}
+    result: dict[str, Weight | QuantizedTensor] = {}
     for module, parts in modules.items():
         fmt = quantization.format_of(module)
         stored = any(
@@ -340,6 +347,7 @@ def _gptq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
         symmetric=bool(raw.get("sym", True)),
         group_size=None if group_size == -1 else group_size,
         layout=layout,
+        ordered=bool(raw.get("desc_act")),
     )
     order = ", activation order" if raw.get("desc_act") else ""
     return CheckpointQuantization(
@@ -373,7 +381,9 @@ def _awq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
 # -- dequantization -------------------------------------------------------------------------------------
 
 
-def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str, method: str) -> Deferred:
+def _dequantized(
+    parts: Mapping[str, Weight], fmt: WeightFormat, where: str, method: str
+) -> Deferred | QuantizedTensor:
     def need(part: str) -> Weight:
         if part not in parts:
             raise ModelLoadError(
@@ -382,34 +392,94 @@ def _dequantized(parts: Mapping[str, Weight], fmt: WeightFormat, where: str, met
         return parts[part]
 
     if fmt.layout != "compressed-tensors":
-        return _dequantized_packed(need, parts, fmt, where, method)
-    scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
-    if scale is None:
-        need("weight_scale")
-    if fmt.kind == "float8":
-        stored = need("weight")
-        shape = tuple(stored.shape)
-        make: Callable[[], torch.Tensor] = lambda: _float8_values(stored, scale, fmt, where)  # noqa: E731
+        shape, scale, groups = _packed_groups(need, parts, fmt, where)
     else:
-        if fmt.packed:
-            packed, shape_tensor = need("weight_packed"), need("weight_shape")
-            shape = tuple(int(n) for n in materialize(shape_tensor).tolist())
-            stored = packed
-        else:
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        if scale is None:
+            need("weight_scale")
+        if fmt.kind == "float8":
             stored = need("weight")
-            shape = tuple(stored.shape)
-        zero = parts.get("weight_zero_point")
-        if not fmt.symmetric and zero is None:
-            need("weight_zero_point")
-        order = parts.get("weight_g_idx")
-        make = lambda: _int_values(stored, scale, zero, order, shape, fmt, where)  # noqa: E731
-    return Deferred(shape, torch.float32, make, f"{method}: {fmt.describe()}")
+            make = lambda: _float8_values(stored, scale, fmt, where)  # noqa: E731
+            return Deferred(tuple(stored.shape), torch.float32, make, f"{method}: {fmt.describe()}")
+        shape, groups = _compressed_groups(need, parts, scale, fmt, where)
+    kind = _block_type(fmt, scale, shape, ordered=fmt.ordered or "weight_g_idx" in parts)
+    if kind is not None:
+        origin = f"{method}: {fmt.describe()}"
+        return QuantizedTensor(kind, shape, lambda: _blocks(groups(), kind, where), origin=origin)
+    return Deferred(shape, torch.float32, lambda: groups().floats(), f"{method}: {fmt.describe()}")
 
 
-def _dequantized_packed(
-    need: Callable[[str], Weight], parts: Mapping[str, Weight], fmt: WeightFormat, where: str, method: str
-) -> Deferred:
-    """A GPTQ or AWQ linear: the input features run down `qweight`'s words (GPTQ) or along its rows (AWQ)."""
+@dataclass(frozen=True)
+class IntGroups:
+    """An integer weight as its format defines it: each value minus its zero point, [out, in]; a scale
+    for each output and group, [out, groups]; each input's group."""
+
+    values: torch.Tensor  # int32
+    scales: torch.Tensor  # float32
+    group_of_input: torch.Tensor  # int64 [in]
+
+    def floats(self) -> torch.Tensor:
+        return self.values.to(torch.float32) * self.scales[:, self.group_of_input]
+
+
+def _block_type(fmt: WeightFormat, scale: Weight, shape: tuple[int, ...], *, ordered: bool) -> str | None:
+    """The GGUF block type that holds the weight's values as they are (None: none does): symmetric 4-
+    and 8-bit integers, groups of whole 32-input blocks in input order, float16 or bfloat16 scales."""
+    columns = shape[-1]
+    group = fmt.group_size if fmt.strategy == "group" else columns
+    fits = (
+        fmt.kind == "int"
+        and fmt.symmetric
+        and fmt.bits in BLOCK_TYPES
+        and not ordered
+        and scale.dtype in (torch.float16, torch.bfloat16)
+        and group is not None
+        and group % BLOCK == 0
+        and columns % BLOCK == 0
+    )
+    return BLOCK_TYPES[fmt.bits] if fits else None
+
+
+def _blocks(groups: IntGroups, kind: str, where: str) -> np.ndarray:
+    """The weight as llama.cpp's `kind` blocks, one row of blocks an output: a float16 scale, then 32
+    values (Q8_0: int8; Q4_0: value + 8 in nibbles, input j low and j + 16 high). A bfloat16 scale is
+    the same float16 within float16's range; one below it is rounded to float16's subnormals."""
+    rows = groups.values.shape[0]
+    runs = groups.group_of_input.reshape(-1, BLOCK)
+    if not bool((runs == runs[:, :1]).all()):
+        raise ModelLoadError(
+            f"{where}: its groups are not runs of whole {BLOCK}-input blocks (g_idx), though the config "
+            "says the inputs are in order",
+            hint="the checkpoint is inconsistent",
+        )
+    low, high = (-8, 7) if kind == "Q4_0" else (-128, 127)
+    values = groups.values.reshape(rows, -1, BLOCK)
+    if int(values.min()) < low or int(values.max()) > high:
+        raise ModelLoadError(
+            f"{where}: values outside {low}..{high} for a symmetric {kind[1]}-bit weight (zero points "
+            "other than the midpoint?)",
+            hint="the checkpoint is inconsistent",
+        )
+    scales = groups.scales[:, runs[:, 0]].to(torch.float16).contiguous()  # [rows, blocks]
+    if not bool(torch.isfinite(scales).all()):
+        raise ModelLoadError(
+            f"{where}: a scale beyond float16's range ({float(groups.scales.abs().max()):.3g})",
+            hint="the checkpoint's weights are too large for llama.cpp's blocks; " + HINT,
+        )
+    scale_bytes = scales.view(torch.uint8).reshape(rows, -1, 2)
+    if kind == "Q4_0":
+        nibbles = (values + 8).to(torch.uint8)
+        payload = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)
+    else:
+        payload = values.to(torch.int8).view(torch.uint8)
+    return torch.cat((scale_bytes, payload), dim=-1).reshape(rows, -1).numpy()
+
+
+def _packed_groups(
+    need: Callable[[str], Weight], parts: Mapping[str, Weight], fmt: WeightFormat, where: str
+) -> tuple[tuple[int, int], Weight, Callable[[], IntGroups]]:
+    """A GPTQ or AWQ linear: (shape, its scales, its integers when asked); the input features run down
+    `qweight`'s words (GPTQ) or along its rows (AWQ)."""
     words, zeros, scales = need("qweight"), need("qzeros"), need("scales")
     order = parts.get("g_idx")
     per_word = 32 // fmt.bits
@@ -417,8 +487,7 @@ def _dequantized_packed(
         shape = (words.shape[1] * per_word, words.shape[0])
     else:
         shape = (words.shape[1], words.shape[0] * per_word)
-    make = lambda: _packed_values(words, zeros, scales, order, shape, fmt, where)  # noqa: E731
-    return Deferred(shape, torch.float32, make, f"{method}: {fmt.describe()}")
+    return shape, scales, lambda: _packed_values(words, zeros, scales, order, shape, fmt, where)
 
 
 def _packed_values(
@@ -429,9 +498,9 @@ def _packed_values(
     shape: tuple[int, int],
     fmt: WeightFormat,
     where: str,
-) -> torch.Tensor:
-    """(q − zero point) × scale, [out_features, in_features], as the tool's own dequantizer defines it
-    (GPTQ's v1 format adds one to each stored zero point after masking, as auto-gptq does)."""
+) -> IntGroups:
+    """q − zero point and the scales, as the tool's own dequantizer reads them (GPTQ's v1 format adds
+    one to each stored zero point after masking, as auto-gptq does)."""
     rows, columns = shape
     scale = materialize(scales).to(torch.float32)  # [groups, out_features]
     for name, tensor in (("qweight", words), ("qzeros", zeros)):
@@ -463,10 +532,8 @@ def _packed_values(
             f"{list(scales.shape)} do not fit one {fmt.describe()} weight of {rows}x{columns}",
             hint="the checkpoint is corrupt",
         )
-    values = (ints.to(torch.float32) - points[:, :rows][group_of_input].to(torch.float32)) * scale[
-        group_of_input
-    ]
-    return values.t().contiguous()
+    values = (ints - points[:, :rows][group_of_input]).t().contiguous()
+    return IntGroups(values, scale.t().contiguous(), group_of_input)
 
 
 def _unpacked_words(words: torch.Tensor, bits: int, *, interleaved: bool) -> torch.Tensor:
@@ -488,6 +555,23 @@ def _float8_values(stored: Weight, scale: Weight, fmt: WeightFormat, where: str)
     )
 
 
+def _compressed_groups(
+    need: Callable[[str], Weight], parts: Mapping[str, Weight], scale: Weight, fmt: WeightFormat, where: str
+) -> tuple[tuple[int, ...], Callable[[], IntGroups]]:
+    """A compressed-tensors integer linear: (shape, its integers when asked)."""
+    if fmt.packed:
+        stored, shape_tensor = need("weight_packed"), need("weight_shape")
+        shape = tuple(int(n) for n in materialize(shape_tensor).tolist())
+    else:
+        stored = need("weight")
+        shape = tuple(stored.shape)
+    zero = parts.get("weight_zero_point")
+    if not fmt.symmetric and zero is None:
+        need("weight_zero_point")
+    order = parts.get("weight_g_idx")
+    return shape, lambda: _int_values(stored, scale, zero, order, shape, fmt, where)
+
+
 def _int_values(
     stored: Weight,
     scale: Weight,
@@ -496,7 +580,7 @@ def _int_values(
     shape: tuple[int, ...],
     fmt: WeightFormat,
     where: str,
-) -> torch.Tensor:
+) -> IntGroups:
     rows, columns = shape
     values = materialize(stored)
     if fmt.packed:
@@ -507,12 +591,12 @@ def _int_values(
         ints = values.to(torch.int32)
     scales = materialize(scale).to(torch.float32)
     groups = scales.shape[-1]
-    zeros = torch.zeros_like(scales)
+    zeros = torch.zeros(scales.shape, dtype=torch.int32)
     if zero is not None and not fmt.symmetric:
         points = materialize(zero)
         if points.dtype == torch.int32 and points.shape[0] != rows:  # packed along the rows
             points = _unpacked(points.t().contiguous(), fmt.bits, rows, where).t()
-        zeros = points.to(torch.float32).reshape(scales.shape)
+        zeros = points.to(torch.int32).reshape(scales.shape)
     if order is not None:
         group_of_column = materialize(order).to(torch.int64)
     elif fmt.strategy == "group":
@@ -523,7 +607,7 @@ def _int_values(
         raise ModelLoadError(
             f"{where}: scales {list(scales.shape)} do not cover {columns} columns", hint="corrupt"
         )
-    return (ints.to(torch.float32) - zeros[:, group_of_column]) * scales[:, group_of_column]
+    return IntGroups(ints - zeros[:, group_of_column], scales.reshape(rows, groups), group_of_column)
 
 
 def _unpacked(words: torch.Tensor, bits: int, columns: int, where: str) -> torch.Tensor:

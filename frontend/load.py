@@ -41,10 +41,18 @@ def load_model(name_or_path: str, mmproj: Path | None = None) -> ModelSource:
 
 
 def holds_gguf_blocks(name_or_path: str) -> bool:
-    """Whether the model is a GGUF with quantized tensors (blocks a compile can keep as they are); reads
-    the file's header only."""
-    gguf_file = _gguf_file(resolve_model(name_or_path))
-    return gguf_file is not None and any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(gguf_file))
+    """Whether the model holds quantized GGUF blocks a compile can keep as they are: a GGUF with quantized
+    tensors, or a pre-quantized HF checkpoint whose weights map onto blocks exactly
+    (frontend/hf_quantization.py); reads headers only."""
+    path = resolve_model(name_or_path)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        return any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(gguf_file))
+    if path.is_dir() and (path / "config.json").is_file():
+        from kiln.frontend.hf_loader import holds_blocks
+
+        return holds_blocks(path)
+    return False
 
 
 def _gguf_file(path: Path) -> Path | None:

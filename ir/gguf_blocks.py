@@ -4,6 +4,7 @@ passes import it: unread until asked, so a compile holds one tensor's blocks at 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -22,36 +23,43 @@ class QuantizedTensor:
 
     `shape` is in torch order ([out_features, in_features] for a linear weight); `blocks` are the raw
     GGUF bytes, one row of blocks per output row: usually a view of the mapped file, read only when
-    `read()` is called. `row_order`: the output rows are `blocks`' rows in this order (llama.cpp's Q/K
-    permutation undone without copying).
+    `read()` is called, or a function that makes them then (a pre-quantized HF checkpoint's groups
+    repacked as blocks: frontend/hf_quantization.py). `row_order`: the output rows are `blocks`' rows in
+    this order (llama.cpp's Q/K permutation undone without copying).
     """
 
     ggml_type: str  # "Q4_0", "Q4_1", "Q8_0", "Q4_K", ... (gguf_loader.QUANTIZED_TYPES)
     shape: tuple[int, ...]
-    blocks: np.ndarray  # uint8 [rows, bytes a row]
+    blocks: np.ndarray | Callable[[], np.ndarray]  # uint8 [rows, bytes a row]
     row_order: np.ndarray | None = None
+    origin: str | None = None  # what the model file stores, where that is not these blocks
 
     def read(self) -> np.ndarray:
         """The blocks in memory, rows in order (the mapped file's pages are let go after copying)."""
-        rows = self.blocks if self.row_order is None else self.blocks[self.row_order]
+        blocks = self.blocks() if callable(self.blocks) else self.blocks
+        rows = blocks if self.row_order is None else blocks[self.row_order]
         copy = np.array(rows, dtype=np.uint8, copy=True)
-        let_go(self.blocks)
+        let_go(blocks)
         return copy
 
     def rows(self, start: int, stop: int) -> QuantizedTensor:
         """Output rows [start, stop) (still unread)."""
-        if self.row_order is None:
-            return QuantizedTensor(self.ggml_type, (stop - start, *self.shape[1:]), self.blocks[start:stop])
-        order = self.row_order[start:stop]
-        return QuantizedTensor(self.ggml_type, (stop - start, *self.shape[1:]), self.blocks, order)
+        shape = (stop - start, *self.shape[1:])
+        if self.row_order is None and not callable(self.blocks):
+            return QuantizedTensor(self.ggml_type, shape, self.blocks[start:stop], None, self.origin)
+        order = np.arange(self.shape[0]) if self.row_order is None else self.row_order
+        return QuantizedTensor(self.ggml_type, shape, self.blocks, order[start:stop], self.origin)
 
     def columns(self, start: int, stop: int) -> QuantizedTensor:
         """Input features [start, stop) of every row, on block boundaries (ValueError where not)."""
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]]
         if start % block_size or stop % block_size:
             raise ValueError(f"columns {start}..{stop} do not start and end on {block_size}-element blocks")
-        cut = self.blocks[:, start // block_size * block_bytes : stop // block_size * block_bytes]
-        return QuantizedTensor(self.ggml_type, (*self.shape[:-1], stop - start), cut, self.row_order)
+        first, last = start // block_size * block_bytes, stop // block_size * block_bytes
+        blocks = self.blocks
+        cut = (lambda: blocks()[:, first:last]) if callable(blocks) else blocks[:, first:last]
+        shape = (*self.shape[:-1], stop - start)
+        return QuantizedTensor(self.ggml_type, shape, cut, self.row_order, self.origin)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 values, bit-identical to `gguf.quants.dequantize`."""

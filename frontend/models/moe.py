@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from kiln.frontend.config import ModelConfig
 from kiln.frontend.ops import moe
 from kiln.ir.deferred import Weight, stacked
+from kiln.ir.gguf_blocks import QuantizedTensor
 
 
 class ExpertWeights(nn.Module):
@@ -74,5 +76,17 @@ def stack_experts(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any
     for (prefix, part), by_index in experts.items():
         if sorted(by_index) != list(range(config.num_experts)):
             continue  # incomplete: build_model names what is missing
-        adapted[f"{prefix}.mlp.experts.{part}.weight"] = stacked([by_index[i] for i in sorted(by_index)])
+        adapted[f"{prefix}.mlp.experts.{part}.weight"] = _stacked([by_index[i] for i in sorted(by_index)])
     return adapted
+
+
+def _stacked(weights: list[Any]) -> Any:
+    """Experts stacked; a pre-quantized checkpoint's blocks stay blocks where every expert has the same
+    type (as a GGUF's stacked experts are), else each is its float values."""
+    first = weights[0]
+    if all(isinstance(w, QuantizedTensor) and w.ggml_type == first.ggml_type for w in weights):
+        shape = (len(weights), *first.shape)
+        return QuantizedTensor(
+            first.ggml_type, shape, lambda: np.concatenate([w.read() for w in weights]), origin=first.origin
+        )
+    return stacked([w.deferred() if isinstance(w, QuantizedTensor) else w for w in weights])

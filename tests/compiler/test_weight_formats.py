@@ -13,7 +13,7 @@ from kiln.compiler.build import build_program
 from kiln.compiler.options import PipelineOptions
 from kiln.compiler.weight_formats import artifact_rows, checkpoint_rows
 from tests.backends.conftest import save_tiny_hf
-from tests.frontend.checkpoints import save_compressed
+from tests.frontend.checkpoints import save_compressed, save_gptq
 
 
 def _by_name(rows: list[tuple[str, str, str]]) -> dict[str, str]:
@@ -26,6 +26,17 @@ def test_a_pre_quantized_checkpoint_names_its_scheme_per_tensor(tmp_path: Path) 
     stored = _by_name(checkpoint_rows(build_program(str(folder))))
     assert stored["model.layers.0.self_attn.q_proj.weight"] == "compressed-tensors: int4, group 32 scales"
     assert stored["lm_head.weight"] == "f32"  # left out of the scheme
+
+
+def test_a_gptq_checkpoint_kept_as_blocks_names_both(tmp_path: Path) -> None:
+    folder = tmp_path / "gptq"
+    save_gptq("llama", folder)
+    built = build_program(str(folder), PipelineOptions(quantization="gguf"))  # what auto resolves to
+    stored = _by_name(checkpoint_rows(built))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert stored[q] == "gptq: GPTQ int4, group 32 scales, kept as GGUF Q4_0 blocks"
+    down = _by_name(artifact_rows(built))["model.layers.0.mlp.down_proj.weight.qweight"]
+    assert down.startswith("u8, Q4_0")
 
 
 def test_a_llama_cpp_mix_shows_each_weights_block_type(tmp_path: Path) -> None:

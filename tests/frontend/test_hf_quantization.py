@@ -21,6 +21,7 @@ from kiln.errors import ModelLoadError
 from kiln.frontend.capture import capture_weights
 from kiln.frontend.hf_loader import load_hf_dir
 from kiln.ir.deferred import Deferred, materialize
+from kiln.ir.gguf_blocks import QuantizedTensor
 from kiln.ir.step import SequenceSlice, build_step_inputs
 from kiln.runtime.artifact import load_artifact
 from tests.frontend.checkpoints import (
@@ -187,23 +188,77 @@ def test_compressed_tensors_variants_kiln_does_not_load_are_refused(
 
 
 @pytest.mark.parametrize(
-    ("scheme", "backend"), [("gptq_qwen2_act_order_asym", "tvm"), ("awq_llama", "onnxruntime")]
+    ("scheme", "backend", "kept", "tolerance"),
+    [
+        ("gptq_llama", "tvm", "Q4_0", 1e-3),  # the integer-dot kernels on the kept blocks
+        ("gptq_llama_8bit_channel", "onnxruntime", "Q8_0", 1e-4),
+        ("gptq_qwen2_act_order_asym", "onnxruntime", None, 1e-4),  # float: no block holds it
+        ("awq_llama", "onnxruntime", None, 1e-4),
+    ],
 )
 def test_compiled_artifacts_give_the_dequantized_models_logits(
-    scheme: str, backend: str, checkpoints: Any, tmp_path: Path
+    scheme: str, backend: str, kept: str | None, tolerance: float, checkpoints: Any, tmp_path: Path
 ) -> None:
-    """`kiln compile` of a GPTQ / AWQ folder on TVM for this CPU and ONNX Runtime (float32, a float32 KV
-    cache): the reference's logits within 1e-4 of the largest."""
+    """`kiln compile` of a GPTQ / AWQ folder with the defaults (a float32 KV cache) on TVM for this CPU
+    and ONNX Runtime: symmetric GPTQ keeps its groups as GGUF blocks (`--quantization auto` resolves to
+    gguf), the others compile as their float values; the reference's logits within `tolerance` of the
+    largest, greedy tokens equal."""
     folder, dequantized = checkpoints(scheme)
-    options = ModelOptions.create(str(folder), backend=backend, quantization="none", kv_cache_dtype="f32")
-    compile_model(resolve(options), tmp_path / "artifact")
+    plan = resolve(ModelOptions.create(str(folder), backend=backend, kv_cache_dtype="f32"))
+    assert plan.quantization == ("gguf" if kept else None)
+    compile_model(plan, tmp_path / "artifact")
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    held = set(manifest["model"].get("gguf_types", {}).values())
+    assert held == ({kept} if kept else set())
     executable = load_artifact(tmp_path / "artifact").executable
     cache = allocate_kv_cache(executable, 2, 16)
     step = build_step_inputs([SequenceSlice(PROMPT, 0, [1], logits_at=range(len(PROMPT)))], 16)
     logits = executable.step(step, cache)
     expected = transformers_logits(dequantized, PROMPT).numpy()
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < tolerance
     assert (logits.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kind"),
+    [("gptq_llama", "Q4_0"), ("gptq_v2_qwen2", "Q4_0"), ("gptq_llama_8bit_channel", "Q8_0")],
+)
+def test_symmetric_groups_are_kept_as_blocks_holding_the_same_values(
+    scheme: str, kind: str, checkpoints: Any
+) -> None:
+    """Symmetric 4- and 8-bit integers in groups of whole 32-input blocks under float16 scales are
+    llama.cpp's Q4_0 / Q8_0 blocks exactly: their values are the tool's dequantized weights, bit for bit."""
+    folder, dequantized = checkpoints(scheme)
+    weights = load_hf_dir(folder).weights
+    for name, module in dequantized.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            blocks = weights[f"{name}.weight"]
+            assert isinstance(blocks, QuantizedTensor) and blocks.ggml_type == kind, name
+            assert torch.equal(blocks.dequantize(), module.weight.detach()), name
+    assert blocks.origin is not None and blocks.origin.startswith("gptq: GPTQ")
+
+
+def test_stacked_experts_of_blocks_stay_blocks() -> None:
+    """A pre-quantized MoE checkpoint's per-expert blocks stack as one [E, N, K] tensor of blocks, as a
+    GGUF's experts are; experts of mixed kinds stack as float values."""
+    from types import SimpleNamespace
+
+    from kiln.frontend.models.moe import stack_experts
+
+    rows = [np.full((2, 18), i, dtype=np.uint8) for i in range(3)]
+    experts = {
+        f"model.layers.0.mlp.experts.{i}.gate_proj.weight": QuantizedTensor(
+            "Q4_0", (2, 32), rows[i], origin="x"
+        )
+        for i in range(3)
+    }
+    config: Any = SimpleNamespace(num_experts=3)  # all stack_experts reads of the config
+    stacked = stack_experts(config, experts)["model.layers.0.mlp.experts.gate_proj.weight"]
+    assert isinstance(stacked, QuantizedTensor) and stacked.shape == (3, 2, 32) and stacked.origin == "x"
+    assert np.array_equal(stacked.read(), np.concatenate(rows))
+    experts["model.layers.0.mlp.experts.2.gate_proj.weight"] = torch.zeros(2, 32)
+    mixed = stack_experts(config, experts)["model.layers.0.mlp.experts.gate_proj.weight"]
+    assert isinstance(mixed, Deferred) and tuple(mixed.shape) == (3, 2, 32)
 
 
 def test_gptq_and_awq_weights_stay_deferred_and_name_their_format(checkpoints: Any) -> None:
