@@ -9,6 +9,10 @@ from typing import Any
 
 from kiln.errors import ModelLoadError, UnsupportedArchitectureError
 
+# the files older GPTQ and AWQ tools write beside config.json instead of a quantization_config, and the
+# method each names (frontend/hf_quantization.py reads them)
+QUANTIZATION_SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
 # HF `architectures[0]` (and GGUF `general.architecture`) → our family name.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

@@ -31,12 +31,11 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.config import QUANTIZATION_SIDE_FILES
 from kiln.ir.deferred import Deferred, Weight, materialize
 from kiln.ir.gguf_blocks import QuantizedTensor
 
 HINT = "use the checkpoint's bf16/fp16 original or a GGUF of it"
-# the files that older GPTQ and AWQ tools write beside config.json instead of a quantization_config
-SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one
 GPTQ_BITS = (2, 4, 8)  # 3-bit GPTQ packs values across words
 # AWQ's gemm layout: the k-th 4 bits of a word hold column 8j + AWQ_ORDER[k] of its 8
@@ -312,7 +311,7 @@ def _fine_grained_fp8(raw: Mapping[str, Any], where: Path) -> CheckpointQuantiza
 def _side_config(folder: Path) -> tuple[Mapping[str, Any], Path] | None:
     """An older GPTQ or AWQ folder's quantize_config.json / quant_config.json (no quantization_config in
     config.json), as a quantization_config."""
-    for side_file, method in SIDE_CONFIGS.items():
+    for side_file, method in QUANTIZATION_SIDE_FILES.items():
         path = folder / side_file
         if path.is_file():
             try:

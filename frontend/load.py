@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import ModelLoadError
+from kiln.frontend.config import QUANTIZATION_SIDE_FILES
 from kiln.frontend.gguf_header import QUANTIZED_TYPES, gguf_tensor_types
 from kiln.frontend.pull import resolve_model
 
@@ -48,11 +50,23 @@ def holds_gguf_blocks(name_or_path: str) -> bool:
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
         return any(kind in QUANTIZED_TYPES for kind in gguf_tensor_types(gguf_file))
-    if path.is_dir() and (path / "config.json").is_file():
-        from kiln.frontend.hf_loader import holds_blocks
+    if path.is_dir() and _names_a_quantization(path):
+        from kiln.frontend.hf_loader import holds_blocks  # torch: only for a pre-quantized checkpoint
 
         return holds_blocks(path)
     return False
+
+
+def _names_a_quantization(folder: Path) -> bool:
+    """Whether a HF folder's config.json (or an older tool's file beside it) names a quantization; a
+    config that cannot be read names none here (loading the model says what is wrong with it)."""
+    if any((folder / name).is_file() for name in QUANTIZATION_SIDE_FILES):
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None
 
 
 def _gguf_file(path: Path) -> Path | None:
