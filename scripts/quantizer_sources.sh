@@ -35,7 +35,7 @@ if [ ! -f "$dest/auto_gptq-0.7.1/auto_gptq/quantization/gptq.py" ]; then
 fi
 
 fetch autoawq==0.2.9 autoawq-0.2.9.tar.gz f3397687118c7d23c769de0de05ff1dca8950a2644acbe1b6eb1399c691fe7ee \
-  --no-binary :all: --no-build-isolation
+  --no-binary :all:
 if [ ! -f "$dest/autoawq-0.2.9/awq/quantize/quantizer.py" ]; then
   tar -xzf "$dest/autoawq-0.2.9.tar.gz" -C "$dest"
 fi
