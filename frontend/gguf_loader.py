@@ -88,7 +88,7 @@ _FUSED_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate
 _FUSED_AWAY = ("attn_q", "attn_k", "attn_v", "ffn_gate")
 
 
-def _layer_names(family: str, qk_norm: bool, moe: bool = False) -> dict[str, str]:
+def layer_names(family: str, qk_norm: bool, moe: bool = False) -> dict[str, str]:
     """GGUF layer tensor part → HF module path, for a family (`moe`: a mixture-of-experts layer)."""
     norms = _NORM_TENSORS.get(family, _NORM_TENSORS["default"])
     names = _LAYER_TENSORS | norms | (_QK_NORM_TENSORS if qk_norm else {})
@@ -438,7 +438,7 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig, where: str) -> str | Non
     if _SKIPPED_TENSORS.fullmatch(gguf_name):
         return None
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    names = _layer_names(config.family, config.qk_norm, match is not None and config.is_moe(int(match[1])))
+    names = layer_names(config.family, config.qk_norm, match is not None and config.is_moe(int(match[1])))
     if match is None or match.group(2) not in names:
         raise ModelLoadError(
             f"{where}: unexpected tensor {gguf_name!r}",
@@ -535,7 +535,7 @@ def _unpermuted_order(rows: int, n_head: int) -> np.ndarray:
 def _check_complete(weights: dict[str, Weight], config: ModelConfig, where: str) -> None:
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_hidden_layers):
-        parts = _layer_names(config.family, config.qk_norm, config.is_moe(layer)).values()
+        parts = layer_names(config.family, config.qk_norm, config.is_moe(layer)).values()
         expected += [f"model.layers.{layer}.{part}.weight" for part in parts]
     missing = [name for name in expected if name not in weights]
     if missing:

@@ -12,21 +12,12 @@ from pathlib import Path
 import pytest
 
 from kiln.frontend.gguf_header import gguf_tensors
+from kiln.frontend.gguf_loader import config_from_gguf, hf_tensor_name, layer_names, open_gguf
 from kiln.passes.base import PassError
 from kiln.passes.quantize.gguf_mix import MixModel, mix_types
 
-HF_PATHS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
+# GGUF layer tensor → HF module path, as the loader maps them (dense and mixture-of-experts layers)
+HF_PATHS = layer_names("llama", qk_norm=False) | layer_names("llama", qk_norm=False, moe=True)
 ALL = "all"
 # (layers, hidden, ffn, tied, experts, mix) → {llama.cpp tensor: {type: layers}} as llama-quantize wrote them
 RECORDED = {
@@ -115,21 +106,16 @@ def test_types_are_the_ones_llama_quantize_chose(case: tuple) -> None:
     assert types == _expected(RECORDED[case], layers)
 
 
-def _hf_name(gguf_name: str) -> str:
-    parts = gguf_name.removesuffix(".weight").split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{HF_PATHS[parts[2]]}.weight"
-    return {"token_embd": "model.embed_tokens.weight", "output": "lm_head.weight"}[parts[0]]
-
-
 def test_types_are_gemma_3_270ms_q4_k_m_file() -> None:
     home = Path(os.environ.get("KILN_HOME", "~/.cache/kiln")).expanduser()
     path = home / "models" / "gemma-3-270m" / "gemma-3-270m-q4_k_m.gguf"
     if not path.is_file():
         pytest.skip(f"gemma-3-270m not found at {path}; `make test` fetches it (`kiln pull gemma-3-270m`)")
     quantized = [entry for entry in gguf_tensors(path) if entry.ggml_type not in ("F32", "F16")]  # not norms
-    written = {_hf_name(entry.name): entry.ggml_type for entry in quantized}
-    shapes = {_hf_name(entry.name): entry.shape for entry in quantized}
+    config = config_from_gguf(open_gguf(path), str(path))
+    names = {entry.name: hf_tensor_name(entry.name, config, str(path)) for entry in quantized}
+    written = {names[entry.name]: entry.ggml_type for entry in quantized}
+    shapes = {names[entry.name]: entry.shape for entry in quantized}
     chosen = mix_types(shapes, "q4_k_m", MixModel(layers=18, experts=0, seventy_b=False))
     assert chosen == written
     assert {"Q5_0", "Q8_0", "Q6_K"} <= set(chosen.values())  # rows of 640: the fallbacks are exercised
