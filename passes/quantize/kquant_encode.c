@@ -241,12 +241,32 @@ void encode_q5_k(const float *x, uint8_t *out, int64_t blocks) {
     scale_min_blocks(x, out, blocks, 31, -0.5f, 15, 176, pack_q5_k);
 }
 
+/* Each lane's levels (q + levels, q in -levels..levels-1) on the grid through `extreme` scaled to `span`
+ * levels, and their x^2-weighted sums of x * q and q * q. */
+static void fit_grid(const float x[16][LANES], const float extreme[LANES], float span, int levels,
+                     int8_t q[16][LANES], float sum_lx[LANES], float sum_l2[LANES]) {
+    float inverse[LANES];
+    for (int l = 0; l < LANES; ++l) {
+        inverse[l] = -span / extreme[l];
+        sum_lx[l] = sum_l2[l] = 0;
+    }
+    for (int i = 0; i < 16; ++i) {
+        for (int l = 0; l < LANES; ++l) {
+            int level = clamp(round_to_int(inverse[l] * x[i][l]), -levels, levels - 1);
+            q[i][l] = (int8_t)(level + levels);
+            float weight = x[i][l] * x[i][l];
+            sum_lx[l] += weight * x[i][l] * level;
+            sum_l2[l] += weight * level * level;
+        }
+    }
+}
+
 /* Each lane's group of 16 for Q6_K: the scale whose grid (q in -32..31) fits best by x^2-weighted least
  * squares, among the grid through the largest magnitude and 18 grids around it; q + 32 in `q` (0 for a
  * group of zeros). Lane by lane the operations of one group alone, in the same order. */
 static void fit_symmetric(const float x[16][LANES], int8_t q[16][LANES], float scale_out[LANES]) {
     const int levels = 32;
-    float extreme[LANES], largest[LANES], inverse[LANES], sum_lx[LANES], sum_l2[LANES], scale[LANES];
+    float extreme[LANES], largest[LANES], sum_lx[LANES], sum_l2[LANES], scale[LANES];
     float best[LANES];
     int better[LANES];
     int8_t trial[16][LANES];
@@ -259,38 +279,14 @@ static void fit_symmetric(const float x[16][LANES], int8_t q[16][LANES], float s
             extreme[l] = larger ? x[i][l] : extreme[l];
         }
     }
-    for (int l = 0; l < LANES; ++l) {
-        inverse[l] = -levels / extreme[l];
-        sum_lx[l] = sum_l2[l] = 0;
-    }
-    for (int i = 0; i < 16; ++i) {
-        for (int l = 0; l < LANES; ++l) {
-            int level = clamp(round_to_int(inverse[l] * x[i][l]), -levels, levels - 1);
-            q[i][l] = (int8_t)(level + levels);
-            float weight = x[i][l] * x[i][l];
-            sum_lx[l] += weight * x[i][l] * level;
-            sum_l2[l] += weight * level * level;
-        }
-    }
+    fit_grid(x, extreme, (float)levels, levels, q, sum_lx, sum_l2);
     for (int l = 0; l < LANES; ++l) {
         scale[l] = sum_l2[l] != 0 ? sum_lx[l] / sum_l2[l] : 0.0f;
         best[l] = scale[l] * sum_lx[l];
     }
     for (int step = -9; step <= 9; ++step) {
         if (step == 0) continue;
-        for (int l = 0; l < LANES; ++l) {
-            inverse[l] = -(levels + 0.1f * step) / extreme[l];
-            sum_lx[l] = sum_l2[l] = 0;
-        }
-        for (int i = 0; i < 16; ++i) {
-            for (int l = 0; l < LANES; ++l) {
-                int level = clamp(round_to_int(inverse[l] * x[i][l]), -levels, levels - 1);
-                trial[i][l] = (int8_t)(level + levels);
-                float weight = x[i][l] * x[i][l];
-                sum_lx[l] += weight * x[i][l] * level;
-                sum_l2[l] += weight * level * level;
-            }
-        }
+        fit_grid(x, extreme, levels + 0.1f * step, levels, trial, sum_lx, sum_l2);
         for (int l = 0; l < LANES; ++l) {
             better[l] = sum_l2[l] > 0 && sum_lx[l] * sum_lx[l] > best[l] * sum_l2[l];
             float fitted = sum_lx[l] / sum_l2[l];
