@@ -296,13 +296,7 @@ def _fine_grained_fp8(raw: Mapping[str, Any], where: Path) -> CheckpointQuantiza
         raise ModelLoadError(
             f"{where}: weight_block_size {block!r} is not [rows, columns]", hint="corrupt config"
         )
-    skipped = raw.get("modules_to_not_convert") or []
-    return CheckpointQuantization(
-        method="fp8",
-        description=f"fp8 ({fmt.describe()})",
-        formats=((("Linear",), fmt),),
-        ignore=tuple(str(name) for name in skipped),
-    )
+    return _every_linear("fp8", fmt, f"fp8 ({fmt.describe()})", raw.get("modules_to_not_convert"))
 
 
 # -- GPTQ and AWQ -----------------------------------------------------------------------------------------
@@ -349,9 +343,7 @@ def _gptq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
         ordered=bool(raw.get("desc_act")),
     )
     order = ", activation order" if raw.get("desc_act") else ""
-    return CheckpointQuantization(
-        method="gptq", description=f"gptq ({fmt.describe()}{order})", formats=((("Linear",), fmt),)
-    )
+    return _every_linear("gptq", fmt, f"gptq ({fmt.describe()}{order})")
 
 
 def _awq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
@@ -368,12 +360,18 @@ def _awq(raw: Mapping[str, Any], where: Path) -> CheckpointQuantization:
     fmt = WeightFormat(
         kind="int", bits=4, strategy="group", symmetric=False, group_size=group_size, layout="awq"
     )
-    skipped = raw.get("modules_to_not_convert") or []
+    return _every_linear("awq", fmt, f"awq ({fmt.describe()})", raw.get("modules_to_not_convert"))
+
+
+def _every_linear(
+    method: str, fmt: WeightFormat, description: str, skipped: list[str] | None = None
+) -> CheckpointQuantization:
+    """One format for every linear of the checkpoint but the `skipped` modules."""
     return CheckpointQuantization(
-        method="awq",
-        description=f"awq ({fmt.describe()})",
+        method=method,
+        description=description,
         formats=((("Linear",), fmt),),
-        ignore=tuple(str(name) for name in skipped),
+        ignore=tuple(str(name) for name in skipped or []),
     )
 
 
