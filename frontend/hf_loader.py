@@ -187,8 +187,6 @@ def weight_files(path: Path) -> list[Path]:
 
 def holds_blocks(path: Path) -> bool:
     """Whether the checkpoint at `path` is pre-quantized in a format kept as GGUF blocks (headers only)."""
-    if read_quantization(_read_json(path / "config.json"), path) is None:
-        return False
     return any(isinstance(weight, QuantizedTensor) for weight in read_weights(path).values())
 
 

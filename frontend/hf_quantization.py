@@ -612,9 +612,7 @@ def _unpacked(words: torch.Tensor, bits: int, columns: int, where: str) -> torch
     stored plus 2^(bits-1) (compressed-tensors' pack_to_int32)."""
     if words.dtype != torch.int32:
         raise ModelLoadError(f"{where}: packed weight is {words.dtype}, not int32", hint="corrupt checkpoint")
-    data = words.contiguous().view(torch.uint8)  # little-endian words: the lowest bits in the first byte
-    if bits == 4:
-        data = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(words.shape[0], -1)
+    data = _unpacked_words(words, bits, interleaved=False)
     if data.shape[-1] < columns:
         raise ModelLoadError(
             f"{where}: packed weight holds fewer than {columns} columns", hint="corrupt checkpoint"
